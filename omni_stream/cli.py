@@ -1,0 +1,109 @@
+"""``omni-stream`` command line: make-checkpoint, synthesize (and serve, profile, stats...)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("omni_stream")
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise SystemExit(f"unknown dtype '{name}': use fp32 or bf16")
+    return getattr(torch, DTYPES[name])
+
+
+def cmd_make_checkpoint(a: argparse.Namespace) -> int:
+    from omni_stream.models.checkpoint import write_random_checkpoint
+
+    t0 = time.perf_counter()
+    out = write_random_checkpoint(a.out, a.preset, a.variant, seed=a.seed, dtype=_dtype(a.dtype),
+                                  talker_layers=a.talker_layers, cp_layers=a.cp_layers)
+    print(f"wrote {a.preset} {a.variant} checkpoint (seed {a.seed}) to {out} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_synthesize(a: argparse.Namespace) -> int:
+    import numpy as np
+    import soundfile as sf
+    import torch
+
+    from omni_stream.models.prompt import PromptRequest
+    from omni_stream.models.sampling import SamplingParams
+    from omni_stream.models.synthesis import Synthesizer
+
+    torch.set_num_threads(a.threads) if a.threads else None
+    synth = Synthesizer.from_path(a.model, dtype=_dtype(a.dtype))
+    req = PromptRequest(text=a.text, language=a.language, speaker=a.voice,
+                        instructions=a.instructions, stream_text=a.stream_text)
+    params = SamplingParams.greedy() if a.greedy else SamplingParams()
+    t0 = time.perf_counter()
+    res = synth.synthesize(req, params, seed=a.seed, max_frames=a.max_frames)
+    dt = time.perf_counter() - t0
+    sr = synth.model.config.code2wav.sample_rate
+    if a.out:
+        sf.write(a.out, res.audio, sr, subtype="PCM_16")
+    if a.codes_out:
+        np.save(a.codes_out, res.codes)
+    secs = len(res.audio) / sr
+    print(f"{len(res.codes)} frames, {secs:.2f} s of audio in {dt:.2f} s (RTF {dt / max(secs, 1e-9):.2f})"
+          f"{', stopped on eos' if res.stopped_on_eos else ', hit max frames'}"
+          + (f" -> {a.out}" if a.out else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-stream", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("make-checkpoint", help="write a random checkpoint in the released layout")
+    m.add_argument("--preset", choices=["tiny", "0.6b", "1.7b"], required=True)
+    m.add_argument("--variant", choices=["custom_voice", "voice_design", "base"], default="custom_voice")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="bf16", help="stored dtype: bf16 (released) or fp32")
+    m.add_argument("--talker-layers", type=int, default=None, help="override the talker depth")
+    m.add_argument("--cp-layers", type=int, default=None, help="override the code predictor depth")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_make_checkpoint)
+
+    s = sub.add_parser("synthesize", help="text -> wav offline (one request)")
+    s.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
+    s.add_argument("--text", required=True)
+    s.add_argument("--voice", default=None, help="speaker name (CustomVoice)")
+    s.add_argument("--language", default="auto")
+    s.add_argument("--instructions", default=None)
+    s.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-frames", type=int, default=2047)
+    s.add_argument("--stream-text", action="store_true", help="feed text token by token")
+    s.add_argument("--dtype", default="fp32")
+    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--out", default=None, help="output wav path")
+    s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
+    s.set_defaults(func=cmd_synthesize)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"omni-stream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

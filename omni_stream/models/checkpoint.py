@@ -1,0 +1,196 @@
+"""Checkpoint I/O in the released Qwen3-TTS-12Hz folder layout.
+
+    DIR/config.json                  main config (talker, code predictor, special ids, variant)
+    DIR/generation_config.json       sampling defaults
+    DIR/model.safetensors            talker.* (+ speaker_encoder.* for Base), or shards + index
+    DIR/vocab.json, merges.txt, tokenizer_config.json     Qwen2 BPE text tokenizer
+    DIR/preprocessor_config.json     processor stub the reference loader expects
+    DIR/speech_tokenizer/config.json, model.safetensors   codec (encoder.* unused here, decoder.*)
+
+Loading is strict: the key map is the module tree (whose names are the released keys); any
+missing, unexpected or mis-shaped tensor fails with its name. Weights are built on the meta
+device and assigned from the memory-mapped file, so nothing is initialised twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from omni_stream.config import ConfigError, ModelConfig
+from omni_stream.models import presets
+from omni_stream.models.code2wav import Code2Wav, random_code2wav_state_dict
+from omni_stream.models.talker import Qwen3TTSWeights
+from omni_stream.models.text_tokenizer import TextTokenizer, write_random_tokenizer
+
+log = logging.getLogger(__name__)
+
+CODEC_UNUSED_PREFIXES = ("encoder.",)  # the codec's audio encoder: carried, not run here
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: Qwen3TTSWeights
+    code2wav: Code2Wav
+    tokenizer: TextTokenizer
+    path: Path
+    generation_defaults: Mapping[str, object]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"missing file {path}: not a Qwen3-TTS checkpoint folder")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
+    main = _read_json(path / "config.json")
+    codec = _read_json(path / "speech_tokenizer" / "config.json")
+    try:
+        return ModelConfig.from_dicts(main, codec)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _weight_files(folder: Path, stem: str = "model") -> list[Path]:
+    single = folder / f"{stem}.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [folder / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"missing weight shard {f} listed in {index.name}")
+        return files
+    raise CheckpointError(f"missing weights in {folder}: expected {stem}.safetensors "
+                          f"or {stem}.safetensors.index.json")
+
+
+def _read_tensors(files: Iterable[Path], keep: callable) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if keep(k):
+                    out[k] = h.get_tensor(k)
+    return out
+
+
+def assign_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                  where: str) -> None:
+    """Assign tensors to a meta-built module; fail naming any missing/unexpected/mis-shaped key."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+        raise CheckpointError(f"{where}: " + "; ".join(parts))
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise CheckpointError(f"{where}: tensor '{k}' has shape {tuple(tensors[k].shape)}, "
+                                  f"the config implies {shape}")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def build_main_module(cfg: ModelConfig) -> Qwen3TTSWeights:
+    spk = None
+    if cfg.speaker_encoder is not None:
+        from omni_stream.models.speaker_encoder import SpeakerEncoder
+        spk = SpeakerEncoder(cfg.speaker_encoder)
+    return Qwen3TTSWeights(cfg.talker, spk)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load a checkpoint folder (released layout) strictly."""
+    path = Path(path)
+    cfg = read_config(path)
+    tokenizer = TextTokenizer.from_dir(path)
+    gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+    with torch.device("meta"):
+        weights = build_main_module(cfg)
+        c2w = Code2Wav(cfg.code2wav)
+    main = _read_tensors(_weight_files(path), lambda k: True)
+    assign_strict(weights, main, dtype, f"{path}/model.safetensors")
+    codec_dir = path / "speech_tokenizer"
+    codec = _read_tensors(_weight_files(codec_dir), lambda k: not k.startswith(CODEC_UNUSED_PREFIXES))
+    if any(not k.startswith("decoder.") for k in codec):
+        bad = sorted(k for k in codec if not k.startswith("decoder."))
+        raise CheckpointError(f"{codec_dir}/model.safetensors: unexpected tensors: {', '.join(bad[:8])}")
+    assign_strict(c2w, {k[len("decoder."):]: v for k, v in codec.items()}, dtype,
+                  f"{codec_dir}/model.safetensors")
+    weights.eval().to(device)
+    c2w.eval().to(device)
+    return LoadedModel(cfg, weights, c2w, tokenizer, path, gen)
+
+
+# ---------------------------------------------------------------------------- random writer
+def _random_main_state(module: nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in module.state_dict().items():
+        shape = tuple(t.shape)
+        if name.endswith("norm.weight"):
+            v = torch.ones(shape)
+        elif name.endswith(".bias"):
+            v = torch.zeros(shape)
+        else:
+            v = torch.empty(shape).normal_(0.0, 0.02, generator=g)
+        out[name] = v.to(dtype).contiguous()
+    return out
+
+
+def write_random_checkpoint(out: str | Path, preset: str, variant: str, seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16, talker_layers: int | None = None,
+                            cp_layers: int | None = None) -> Path:
+    """Write a random checkpoint of a preset in the released layout; returns the folder."""
+    out = Path(out)
+    main_cfg = presets.model_config_dict(preset, variant, talker_layers=talker_layers, cp_layers=cp_layers)
+    codec_cfg = presets.codec_config_dict(preset)
+    cfg = ModelConfig.from_dicts(main_cfg, codec_cfg)
+    (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        weights = Qwen3TTSWeights(cfg.talker)
+    state = _random_main_state(weights, seed, dtype)
+    if cfg.speaker_encoder is not None:
+        from omni_stream.models.speaker_encoder import random_state_dict as spk_random
+        state.update({f"speaker_encoder.{k}": v.to(dtype).contiguous()
+                      for k, v in spk_random(cfg.speaker_encoder, seed + 2).items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    codec_state = {f"decoder.{k}": v.to(dtype).contiguous()
+                   for k, v in random_code2wav_state_dict(cfg.code2wav, seed + 1).items()}
+    save_file(codec_state, str(out / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(main_cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(presets.GENERATION_CONFIG, indent=2))
+    (out / "speech_tokenizer" / "config.json").write_text(json.dumps(codec_cfg, indent=2))
+    write_random_tokenizer(out)
+    for name, body in presets.auxiliary_files().items():
+        (out / name).write_text(json.dumps(body, indent=2))
+    return out

@@ -1,0 +1,185 @@
+"""The per-frame engine: talker + code predictor over fixed batch slots with static KV caches.
+
+One ``step(P)`` advances every slot in ``[0, P)`` by one 80 ms frame:
+  15 code-predictor sub-steps (fresh per-frame cache) -> the frame's 16 codes
+  -> talker input = sum of the 16 code embeddings + the text-track embedding
+  -> one talker step -> sampled codebook-0 of the next frame.
+The step has no data-dependent Python branching and no host sync; the caller reads the new
+codebook-0 ids once per frame to detect end of stream. Slots outside ``[0, P)`` are untouched,
+so a scheduler that packs streams into the lowest free slots pays only for what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from omni_stream.config import TalkerConfig
+from omni_stream.models.layers import new_caches, rope_tables
+from omni_stream.models.sampling import SamplingParams, SlotSampling, apply_repetition_penalty, sample
+from omni_stream.models.talker import Talker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """Static sizes of the engine's buffers."""
+
+    max_slots: int = 4
+    max_seq_len: int = 2048  # talker cache positions per slot: prompt + frames
+    max_trailing: int = 512  # text-track rows fed during decoding (text-streaming mode)
+
+    def __post_init__(self) -> None:
+        if self.max_slots <= 0 or self.max_seq_len <= 1 or self.max_trailing <= 0:
+            raise ValueError("EngineShape sizes must be positive")
+
+
+class FrameEngine:
+    def __init__(self, talker: Talker, shape: EngineShape, device: torch.device | str = "cpu",
+                 cache_dtype: torch.dtype | None = None) -> None:
+        self.talker = talker
+        self.cfg: TalkerConfig = talker.cfg
+        self.shape = shape
+        self.device = torch.device(device)
+        wdtype = talker.codec_head.weight.dtype
+        self.dtype = wdtype
+        cdtype = cache_dtype or wdtype
+        lm, cp = self.cfg.lm, self.cfg.code_predictor
+        s = shape.max_slots
+        self.caches = new_caches(lm, s, shape.max_seq_len, cdtype, self.device)
+        self.cp_caches = new_caches(cp, s, self.cfg.num_code_groups, cdtype, self.device)
+        self.rope = tuple(t.to(self.device) for t in rope_tables(lm.head_dim, lm.rope_theta, shape.max_seq_len))
+        self.cp_rope = tuple(t.to(self.device) for t in rope_tables(cp.head_dim, cp.rope_theta, self.cfg.num_code_groups + 1))
+        dev = self.device
+        self.pos = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.last_hidden = torch.zeros(s, lm.hidden_size, dtype=wdtype, device=dev)
+        self.last_code0 = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.seen = torch.zeros(s, lm.vocab_size, dtype=torch.bool, device=dev)
+        self.n_gen = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.gen_step = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.trailing = torch.zeros(s, shape.max_trailing + 1, lm.hidden_size, dtype=wdtype, device=dev)
+        self.trailing_len = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.seed = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.counter = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.penalty = torch.ones(s, dtype=torch.float32, device=dev)
+        self.min_new = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.talk_sp = SlotSampling.empty(s, dev)
+        self.cp_sp = SlotSampling.empty(s, dev)
+        suppress = torch.zeros(lm.vocab_size, dtype=torch.bool, device=dev)
+        suppress[list(self.cfg.suppressed_ids)] = True
+        self.suppress = suppress
+        self.eos = self.cfg.special.codec_eos
+        self._arange = torch.arange(s, device=dev)
+
+    # ------------------------------------------------------------------ per-slot control
+    def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
+                params: SamplingParams, seed: int) -> int:
+        """Run the prompt [T, C] into ``slot`` and draw the first codebook-0 id (returned).
+
+        ``trailing`` [N, C] are the text-track rows added to the decode steps (then tts_pad)."""
+        t = embeds.shape[0]
+        if t + 1 > self.shape.max_seq_len:
+            raise ValueError(f"prompt of {t} positions does not fit max_seq_len {self.shape.max_seq_len}")
+        if trailing.shape[0] > self.shape.max_trailing:
+            raise ValueError(f"{trailing.shape[0]} text-track rows exceed max_trailing {self.shape.max_trailing}")
+        dev = self.device
+        self.talk_sp.set(slot, not params.do_sample, params.temperature, params.top_k, params.top_p)
+        self.cp_sp.set(slot, not params.sub_do_sample, params.sub_temperature, params.sub_top_k, params.sub_top_p)
+        self.penalty[slot] = params.repetition_penalty
+        self.min_new[slot] = params.min_new_tokens
+        self.seed[slot] = seed
+        self.counter[slot] = 0
+        self.seen[slot] = False
+        self.n_gen[slot] = 0
+        self.gen_step[slot] = 0
+        n = trailing.shape[0]
+        self.trailing[slot, :n] = trailing.to(self.dtype)
+        self.trailing[slot, n:] = self.pad_row
+        self.trailing_len[slot] = n
+        x = embeds.to(self.dtype).unsqueeze(0)
+        pos = torch.arange(t, device=dev).unsqueeze(0)
+        rows = torch.zeros_like(pos)
+        caches = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in self.caches]
+        hidden = self.talker.model.run(x, pos, rows, caches, t, self.rope)[:, -1]  # [1, C]
+        self.pos[slot] = t
+        self.last_hidden[slot] = hidden[0]
+        sl = slice(slot, slot + 1)
+        code0 = self._talker_draw(hidden, sl)
+        return int(code0[0])
+
+    @property
+    def pad_row(self) -> torch.Tensor:
+        if not hasattr(self, "_pad_row"):
+            ids = torch.tensor([self.cfg.special.tts_pad], device=self.device)
+            self._pad_row = self.talker.text_embed(ids)[0].to(self.dtype)
+        return self._pad_row
+
+    # ------------------------------------------------------------------ the frame step
+    def _talker_draw(self, hidden: torch.Tensor, sl: slice) -> torch.Tensor:
+        """hidden [B, C] (normed) -> next codebook-0 ids [B]; updates history for rows ``sl``."""
+        logits = self.talker.codec_head(hidden).float()
+        scores = apply_repetition_penalty(logits, self.seen[sl], self.penalty[sl])
+        block_eos = (self.n_gen[sl] < self.min_new[sl]).unsqueeze(1)
+        eos_col = torch.zeros_like(self.suppress)
+        eos_col[self.eos] = True
+        banned = self.suppress.unsqueeze(0) | (block_eos & eos_col.unsqueeze(0))
+        scores = scores.masked_fill(banned, float("-inf"))
+        sp = SlotSampling(self.talk_sp.greedy[sl], self.talk_sp.temperature[sl],
+                          self.talk_sp.top_k[sl], self.talk_sp.top_p[sl])
+        code0 = sample(scores, sp, self.seed[sl], self.counter[sl])
+        self.counter[sl] += 1
+        rows = self._arange[sl]
+        self.seen[rows, code0] = True
+        self.n_gen[sl] += 1
+        self.last_code0[sl] = code0
+        return code0
+
+    def _predict_residual(self, p: int) -> torch.Tensor:
+        """Code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current frame."""
+        cpm = self.talker.code_predictor
+        proj = cpm.small_to_mtp_projection
+        g = self.cfg.num_code_groups
+        caches = [(k[:p], v[:p]) for k, v in self.cp_caches]
+        rows = self._arange[:p].unsqueeze(1)
+        sp = self.cp_sp.rows(p)
+        x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(self.last_code0[:p])), dim=1)
+        x = proj(x)  # [p, 2, Ccp]
+        pos = torch.tensor([[0, 1]], device=self.device).expand(p, 2)
+        h = cpm.model.run(x, pos, rows.expand(p, 2), caches, 2, self.cp_rope)[:, -1]
+        out = []
+        for j in range(g - 1):
+            logits = cpm.lm_head[j](h).float()
+            code = sample(logits, sp, self.seed[:p], self.counter[:p])
+            self.counter[:p] += 1
+            out.append(code)
+            if j == g - 2:
+                break
+            x = proj(cpm.model.codec_embedding[j](code)).unsqueeze(1)  # [p, 1, Ccp]
+            pos = torch.full((p, 1), j + 2, device=self.device, dtype=torch.int64)
+            h = cpm.model.run(x, pos, rows, caches, j + 3, self.cp_rope)[:, -1]
+        return torch.stack(out, dim=1)
+
+    def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance slots [0, p) by one frame. Returns (codes [p, G] of the finished frame,
+        next codebook-0 ids [p]). Rows of idle slots in the range are computed and ignored."""
+        residual = self._predict_residual(p)
+        codes = torch.cat((self.last_code0[:p].unsqueeze(1), residual), dim=1)  # [p, G]
+        t = self.talker
+        embeds = [t.codec_embed(codes[:, 0])]
+        embeds += [tab(codes[:, i + 1]) for i, tab in enumerate(t.code_predictor.model.codec_embedding)]
+        x = torch.stack(embeds, dim=1).sum(1)  # [p, C]
+        idx = torch.minimum(self.gen_step[:p], self.trailing_len[:p])
+        x = x + self.trailing[self._arange[:p], idx]
+        pos = self.pos[:p].unsqueeze(1)
+        rows = self._arange[:p].unsqueeze(1)
+        caches = [(k[:p], v[:p]) for k, v in self.caches]
+        live = int(self.pos[:p].max()) + 1 if p else 1
+        hidden = t.model.run(x.unsqueeze(1), pos, rows, caches, live, self.rope)[:, -1]
+        self.last_hidden[:p] = hidden
+        self.pos[:p] += 1
+        self.gen_step[:p] += 1
+        code0 = self._talker_draw(hidden, slice(0, p))
+        return codes, code0

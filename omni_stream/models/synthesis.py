@@ -1,0 +1,101 @@
+"""Offline synthesis: one request, text -> codec frames -> waveform.
+
+This is the reference path of omni-stream itself: the streaming server must produce exactly
+these codes and samples for the same seeded request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni_stream.models.checkpoint import LoadedModel, load_model, write_random_checkpoint
+from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.models.prompt import PromptBuilder, PromptRequest
+from omni_stream.models.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "default"
+DEFAULT_MODEL_VERSION = "tiny-custom_voice-seed0-v1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OMNI_STREAM_CACHE_DIR", Path.home() / ".cache" / "omni-stream"))
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """``default`` -> the embedded tiny random checkpoint (written on first use), else a folder."""
+    if str(model) != DEFAULT_MODEL_NAME:
+        return Path(model)
+    path = cache_dir() / "models" / DEFAULT_MODEL_VERSION
+    marker = path / ".complete"
+    if not marker.is_file():
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{DEFAULT_MODEL_VERSION}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not marker.is_file():
+                log.info("writing the embedded default model to %s", path)
+                write_random_checkpoint(path, "tiny", "custom_voice", seed=0)
+                marker.write_text("ok\n")
+    return path
+
+
+@dataclass
+class SynthesisResult:
+    codes: np.ndarray  # int64 [frames, 16]
+    audio: np.ndarray | None  # float32 [frames * 1920]
+    prompt_len: int
+    stopped_on_eos: bool
+
+
+class Synthesizer:
+    """Single-stream generation over a FrameEngine with one slot."""
+
+    def __init__(self, model: LoadedModel, max_seq_len: int = 4096) -> None:
+        self.model = model
+        self.builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
+        self.engine = FrameEngine(model.weights.talker, EngineShape(max_slots=1, max_seq_len=max_seq_len))
+
+    @classmethod
+    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "Synthesizer":
+        return cls(load_model(resolve_model_path(path), dtype=dtype))
+
+    @torch.inference_mode()
+    def generate_codes(self, req: PromptRequest, params: SamplingParams, seed: int,
+                       max_frames: int) -> tuple[np.ndarray, int, bool]:
+        prompt = self.builder.build(req)
+        if prompt.length + max_frames + 1 > self.engine.shape.max_seq_len:
+            raise ValueError(f"prompt ({prompt.length}) + max_frames ({max_frames}) exceeds the "
+                             f"engine's max_seq_len {self.engine.shape.max_seq_len}")
+        eos = self.model.config.talker.special.codec_eos
+        code0 = self.engine.prefill(0, prompt.embeds, prompt.trailing, params, seed)
+        frames: list[torch.Tensor] = []
+        stopped = code0 == eos
+        while not stopped and len(frames) < max_frames:
+            codes, nxt = self.engine.step(1)
+            frames.append(codes[0].clone())
+            stopped = int(nxt[0]) == eos
+        arr = torch.stack(frames).cpu().numpy() if frames else np.zeros((0, 16), dtype=np.int64)
+        return arr.astype(np.int64), prompt.length, stopped
+
+    @torch.inference_mode()
+    def decode_audio(self, codes: np.ndarray) -> np.ndarray:
+        if len(codes) == 0:
+            return np.zeros(0, dtype=np.float32)
+        c = torch.as_tensor(codes, dtype=torch.long).T.unsqueeze(0)  # [1, 16, F]
+        wav = self.model.code2wav(c.to(next(self.model.code2wav.parameters()).device))
+        return wav.reshape(-1).float().cpu().numpy()
+
+    def synthesize(self, req: PromptRequest, params: SamplingParams, seed: int = 0,
+                   max_frames: int = 2047, with_audio: bool = True) -> SynthesisResult:
+        codes, plen, eos = self.generate_codes(req, params, seed, max_frames)
+        audio = self.decode_audio(codes) if with_audio else None
+        return SynthesisResult(codes, audio, plen, eos)

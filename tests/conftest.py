@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """Write (once per session) a random checkpoint: factory(preset, variant, seed, **kw)."""
+    from omni_stream.models.checkpoint import write_random_checkpoint
+
+    made: dict[tuple, Path] = {}
+
+    def make(preset: str = "tiny", variant: str = "custom_voice", seed: int = 0, **kw) -> Path:
+        key = (preset, variant, seed, tuple(sorted(kw.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ck-{preset}-{variant}-{seed}")
+            made[key] = write_random_checkpoint(out, preset, variant, seed=seed, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(ckpt_factory) -> Path:
+    return ckpt_factory("tiny", "custom_voice", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt):
+    from omni_stream.models.checkpoint import load_model
+
+    return load_model(tiny_ckpt, dtype=torch.float32)

@@ -1,0 +1,114 @@
+"""Frame engine: batching across slots, prompt modes, sampling determinism, bad requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.models.prompt import PromptBuilder, PromptError, PromptRequest
+from omni_stream.models.sampling import SamplingParams
+from omni_stream.models.synthesis import Synthesizer
+
+REQS = [
+    PromptRequest(text="Hello world, this is a test.", language="english", speaker="ryan"),
+    PromptRequest(text="Good morning! How are you?", language="auto", speaker="vivian"),
+    PromptRequest(text="Numbers like 42.", language="chinese", speaker="eric"),  # dialect speaker
+]
+
+
+@pytest.fixture(scope="module")
+def synth(tiny_model):
+    return Synthesizer(tiny_model, max_seq_len=512)
+
+
+def _run_batched(model, reqs, params, seeds, frames):
+    builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
+    eng = FrameEngine(model.weights.talker, EngineShape(max_slots=len(reqs) + 1, max_seq_len=512))
+    out = [[] for _ in reqs]
+    with torch.inference_mode():
+        for i, r in enumerate(reqs):
+            p = builder.build(r)
+            eng.prefill(i, p.embeds, p.trailing, params, seeds[i])
+        for _ in range(frames):
+            codes, _ = eng.step(len(reqs))
+            for i in range(len(reqs)):
+                out[i].append(codes[i].clone())
+    return [torch.stack(o).numpy() for o in out]
+
+
+@pytest.mark.parametrize("params", [SamplingParams.greedy(), SamplingParams()], ids=["greedy", "sampled"])
+def test_batched_equals_single(synth, tiny_model, params):
+    """A stream's codes do not depend on which other streams share the batch."""
+    frames = 12
+    seeds = [11, 22, 33]
+    batched = _run_batched(tiny_model, REQS, params, seeds, frames)
+    for i, r in enumerate(REQS):
+        single, _, _ = synth.generate_codes(r, params, seeds[i], frames)
+        np.testing.assert_array_equal(single[:frames], batched[i][: len(single)])
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(synth):
+    p = SamplingParams()
+    a, _, _ = synth.generate_codes(REQS[0], p, 7, 10)
+    b, _, _ = synth.generate_codes(REQS[0], p, 7, 10)
+    c, _, _ = synth.generate_codes(REQS[0], p, 8, 10)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_codes_in_range_and_no_control_ids(synth):
+    codes, _, _ = synth.generate_codes(REQS[1], SamplingParams(), 3, 20)
+    assert codes.shape == (20, 16)
+    assert codes.min() >= 0 and codes[:, 1:].max() < 2048
+    assert codes[:, 0].max() < 2048  # suppressed control ids never sampled
+
+
+def test_text_streaming_mode_differs_and_runs(synth):
+    base = REQS[0]
+    streamed = PromptRequest(text=base.text, language=base.language, speaker=base.speaker, stream_text=True)
+    p1 = synth.builder.build(base)
+    p2 = synth.builder.build(streamed)
+    n = len(p1.text_ids)
+    assert p2.length == p1.length - n - 1  # text and tts_eos move out of the prefill
+    assert p2.trailing.shape[0] == n  # t2..tn + tts_eos
+    codes, _, _ = synth.generate_codes(streamed, SamplingParams.greedy(), 0, 5)
+    assert codes.shape == (5, 16)
+
+
+def test_prompt_layout_length(synth, tiny_model):
+    p = synth.builder.build(REQS[0])
+    # role 3 + codec prefix (think, think_bos, lang, think_eos, spk, pad) 6 + text + tts_eos + bos
+    assert p.length == 3 + 6 + len(p.text_ids) + 1 + 1
+    auto = synth.builder.build(PromptRequest(text=REQS[0].text, language="auto", speaker="ryan"))
+    assert auto.length == p.length - 1  # nothink prefix has no language slot
+
+
+@pytest.mark.parametrize("req,msg", [
+    (PromptRequest(text="", speaker="ryan"), "empty"),
+    (PromptRequest(text="   ", speaker="ryan"), "empty"),
+    (PromptRequest(text="hi", speaker="nobody"), "unknown voice 'nobody'"),
+    (PromptRequest(text="hi", speaker="ryan", language="klingon"), "unknown language 'klingon'"),
+    (PromptRequest(text="hi", speaker="ryan", language="sichuan_dialect"), "unknown language"),
+])
+def test_bad_requests(synth, req, msg):
+    with pytest.raises(PromptError, match=msg):
+        synth.builder.build(req)
+
+
+def test_voice_design_rejects_named_voice(ckpt_factory):
+    from omni_stream.models.checkpoint import load_model
+
+    m = load_model(ckpt_factory("tiny", "voice_design", 3))
+    b = PromptBuilder(m.config, m.weights.talker, m.tokenizer)
+    with pytest.raises(PromptError, match="no named voices"):
+        b.build(PromptRequest(text="hi", speaker="ryan", instructions="a calm voice"))
+    p = b.build(PromptRequest(text="hi there", instructions="a calm low voice"))
+    assert p.instruct_ids is not None and p.instruct_ids[0] == 151644
+
+
+def test_prompt_too_long_for_engine(tiny_model):
+    s = Synthesizer(tiny_model, max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        s.generate_codes(REQS[0], SamplingParams.greedy(), 0, 10)
