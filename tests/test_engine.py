@@ -112,3 +112,30 @@ def test_prompt_too_long_for_engine(tiny_model):
     s = Synthesizer(tiny_model, max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         s.generate_codes(REQS[0], SamplingParams.greedy(), 0, 10)
+
+
+def test_static_live_mode_matches_dynamic(tiny_model):
+    """The graph-capturable mode (masked full-cache attention, no host sync) gives the same codes."""
+    from omni_stream.models.graphs import GraphedStep, padded_sizes
+
+    params = SamplingParams()
+    dyn = _run_batched(tiny_model, REQS[:2], params, [5, 6], 6)
+    builder = PromptBuilder(tiny_model.config, tiny_model.weights.talker, tiny_model.tokenizer)
+    eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=3, max_seq_len=512))
+    eng.static_live = True
+    runner = GraphedStep(eng, enabled=False)
+    out = [[], []]
+    with torch.inference_mode():
+        for i, r in enumerate(REQS[:2]):
+            p = builder.build(r)
+            eng.prefill(i, p.embeds, p.trailing, params, [5, 6][i])
+        for _ in range(6):
+            codes, _ = runner.step(2)
+            for i in range(2):
+                out[i].append(codes[i].clone())
+    for i in range(2):
+        np.testing.assert_array_equal(torch.stack(out[i]).numpy(), dyn[i])
+    assert padded_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    assert runner.sizes == [1, 2, 3] and runner.bucket(3) == 3
+    with pytest.raises(ValueError, match="exceeds max_slots"):
+        runner.bucket(4)

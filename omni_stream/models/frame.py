@@ -72,7 +72,17 @@ class FrameEngine:
         suppress[list(self.cfg.suppressed_ids)] = True
         self.suppress = suppress
         self.eos = self.cfg.special.codec_eos
+        eos_col = torch.zeros(lm.vocab_size, dtype=torch.bool, device=dev)
+        eos_col[self.eos] = True
+        self._eos_col = eos_col
         self._arange = torch.arange(s, device=dev)
+        g = self.cfg.num_code_groups
+        # code-predictor positions per sub-step: [0, 1] for the 2-token prefill, then 2..G-1
+        self._cp_pos0 = torch.tensor([[0, 1]], device=dev).expand(s, 2)
+        self._cp_pos = [torch.full((s, 1), j, dtype=torch.int64, device=dev) for j in range(g + 1)]
+        # static_live: attend over the whole cache with a mask instead of slicing to the live
+        # length (no host sync: required for CUDA-graph capture; see omni_stream.models.graphs)
+        self.static_live = False
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
@@ -123,9 +133,7 @@ class FrameEngine:
         logits = self.talker.codec_head(hidden).float()
         scores = apply_repetition_penalty(logits, self.seen[sl], self.penalty[sl])
         block_eos = (self.n_gen[sl] < self.min_new[sl]).unsqueeze(1)
-        eos_col = torch.zeros_like(self.suppress)
-        eos_col[self.eos] = True
-        banned = self.suppress.unsqueeze(0) | (block_eos & eos_col.unsqueeze(0))
+        banned = self.suppress.unsqueeze(0) | (block_eos & self._eos_col.unsqueeze(0))
         scores = scores.masked_fill(banned, float("-inf"))
         sp = SlotSampling(self.talk_sp.greedy[sl], self.talk_sp.temperature[sl],
                           self.talk_sp.top_k[sl], self.talk_sp.top_p[sl])
@@ -147,8 +155,7 @@ class FrameEngine:
         sp = self.cp_sp.rows(p)
         x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(self.last_code0[:p])), dim=1)
         x = proj(x)  # [p, 2, Ccp]
-        pos = torch.tensor([[0, 1]], device=self.device).expand(p, 2)
-        h = cpm.model.run(x, pos, rows.expand(p, 2), caches, 2, self.cp_rope)[:, -1]
+        h = cpm.model.run(x, self._cp_pos0[:p], rows.expand(p, 2), caches, 2, self.cp_rope)[:, -1]
         out = []
         for j in range(g - 1):
             logits = cpm.lm_head[j](h).float()
@@ -158,8 +165,7 @@ class FrameEngine:
             if j == g - 2:
                 break
             x = proj(cpm.model.codec_embedding[j](code)).unsqueeze(1)  # [p, 1, Ccp]
-            pos = torch.full((p, 1), j + 2, device=self.device, dtype=torch.int64)
-            h = cpm.model.run(x, pos, rows, caches, j + 3, self.cp_rope)[:, -1]
+            h = cpm.model.run(x, self._cp_pos[j + 2][:p], rows, caches, j + 3, self.cp_rope)[:, -1]
         return torch.stack(out, dim=1)
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,10 +182,14 @@ class FrameEngine:
         pos = self.pos[:p].unsqueeze(1)
         rows = self._arange[:p].unsqueeze(1)
         caches = [(k[:p], v[:p]) for k, v in self.caches]
-        live = int(self.pos[:p].max()) + 1 if p else 1
+        if self.static_live:
+            live = self.shape.max_seq_len
+        else:  # the one deliberate host sync per frame: attend only over the live prefix
+            live = int(self.pos[:p].max()) + 1
         hidden = t.model.run(x.unsqueeze(1), pos, rows, caches, live, self.rope)[:, -1]
         self.last_hidden[:p] = hidden
-        self.pos[:p] += 1
+        # idle slots inside [0, p) also advance; clamp so their writes stay in bounds
+        self.pos[:p] = (self.pos[:p] + 1).clamp(max=self.shape.max_seq_len - 1)
         self.gen_step[:p] += 1
         code0 = self._talker_draw(hidden, slice(0, p))
         return codes, code0
