@@ -21,6 +21,15 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# The pattern transformers 4.57.3 substitutes when the official package loads its processor with
+# ``fix_mistral_regex=True`` and the checkpoint's config.json says transformers_version
+# 4.57.3 .. <5.0 (or says nothing): released Qwen3-TTS checkpoints are tokenized with THIS one by
+# the official code. It splits CamelCase words and drops the contraction rule.
+PATCHED_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 BASE_VOCAB_SIZE = 151643  # ids below this are BPE tokens; special tokens start here
 
 SPECIAL_TOKENS: dict[int, str] = {
@@ -45,6 +54,8 @@ server. It speaks as soon as the first words arrive and keeps speaking without g
 this sentence aloud for the listener; the weather today is sunny with a light breeze. Numbers
 like 1, 2, 3, 42 and 2026 are spoken digit by digit. Good morning! How are you? I am fine, thank
 you very much. Welcome to omni-stream, the fastest way to turn text into speech.
+CamelCase words like HelloWorld, OpenAI, iPhone and JavaScript; don't, can't, we'll, it's;
+accents and combining marks: café, naïve, résumé, cafe\u0301, Ångström, São Paulo, Zürich.
 """
 
 
@@ -64,11 +75,19 @@ class TextTokenizer:
         return self._tok.token_to_id(token)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TextTokenizer":
-        """Load ``tokenizer.json`` if present, else assemble from vocab/merges/config."""
+    def from_dir(cls, path: str | Path, split_pattern: str | None = None) -> "TextTokenizer":
+        """Load ``tokenizer.json`` if present, else assemble from vocab/merges/config.
+
+        ``split_pattern`` defaults to what the official loader would use for this folder
+        (see ``official_split_pattern``)."""
         path = Path(path)
+        pattern = split_pattern or official_split_pattern(path)
         if (path / "tokenizer.json").is_file():
-            return cls(Tokenizer.from_file(str(path / "tokenizer.json")))
+            tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+            pre = tok.pre_tokenizer
+            if pre is not None and hasattr(pre, "__getitem__"):
+                pre[0] = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+            return cls(tok)
         for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
             if not (path / name).is_file():
                 raise FileNotFoundError(
@@ -85,16 +104,38 @@ class TextTokenizer:
         added = tcfg.get("added_tokens_decoder", {})
         for sid, entry in added.items():
             vocab.setdefault(entry["content"], int(sid))
-        return cls(_assemble(vocab, merges, added))
+        return cls(_assemble(vocab, merges, added, pattern))
+
+
+def official_split_pattern(path: Path) -> str:
+    """The split regex the official qwen-tts loader ends up with for this checkpoint folder.
+
+    It loads the processor with ``fix_mistral_regex=True``; transformers 4.57.3 then swaps in
+    ``PATCHED_SPLIT`` unless config.json's ``transformers_version`` is <= 4.57.2 or >= 5.0."""
+    cfg_path = path / "config.json"
+    version = None
+    if cfg_path.is_file():
+        try:
+            version = json.loads(cfg_path.read_text(encoding="utf-8")).get("transformers_version")
+        except (json.JSONDecodeError, AttributeError):
+            version = None
+    if version:
+        try:
+            parts = tuple(int(x) for x in str(version).split(".")[:3] if x.isdigit())
+        except ValueError:
+            parts = ()
+        if parts and (parts <= (4, 57, 2) or parts >= (5, 0, 0)):
+            return QWEN2_SPLIT
+    return PATCHED_SPLIT
 
 
 def _assemble(vocab: dict[str, int], merges: list[tuple[str, str]],
-              added: dict[str, dict]) -> Tokenizer:
+              added: dict[str, dict], pattern: str = QWEN2_SPLIT) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False,
                                fuse_unk=False, unk_token=None))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install omni-stream with its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch is pinned to 2.13.0: this machine image carries its CPU wheel; any other version pulls
+# a multi-GB CUDA build.
+stamp=.venv/.omni-stream-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+  touch "$stamp"
+fi
