@@ -1,0 +1,1 @@
+"""HTTP / WebSocket serving layer: OpenAI-compatible speech API over an abstract Backend."""

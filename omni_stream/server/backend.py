@@ -1,0 +1,130 @@
+"""The one interface between the HTTP/WebSocket layer and the model pipeline.
+
+The server never touches the model: a handler builds a :class:`SpeechJob`, asks the backend to
+``validate`` it, then iterates ``backend.stream(job)`` and writes each :class:`AudioChunk` as it
+arrives. Everything the server needs to know about failures travels as a :class:`BackendError`
+carrying its HTTP status, so admission control (429/503 with Retry-After) lives in the backend
+and the server only maps it onto the wire.
+
+Cancellation contract: when the client goes away the server stops iterating and closes the
+generator, either with ``aclose()`` (GeneratorExit at the backend's current ``yield``) or by
+cancelling the task that is awaiting the next chunk (CancelledError at the backend's current
+``await``). Both must free the stream's slot and KV within one frame step; a ``try/finally``
+around the generator body does it. There is no separate cancel call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Protocol, runtime_checkable
+
+import numpy as np
+
+NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
+FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """One utterance to synthesize, already validated and resolved by the server.
+
+    ``voice`` is a model speaker name (the server has mapped OpenAI aliases onto
+    ``Backend.voices()``) or None for the model default. ``text`` is non-blank and within the
+    server's length cap.
+    """
+
+    text: str
+    request_id: str
+    voice: str | None = None
+    language: str = "auto"
+    instructions: str | None = None
+    seed: int | None = None
+    max_frames: int | None = None
+    greedy: bool = False
+    stream_codes: bool = False  # yield codec frames (chunk.codes) instead of PCM, for client-side decoding
+    initial_chunk_frames: int | None = None  # size of the first chunk; None: the backend's schedule
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    """A piece of one stream, in order. The last chunk of a stream has ``final=True``.
+
+    Exactly one of ``pcm`` / ``codes`` is set on a non-empty chunk (``codes`` when the job asked
+    for ``stream_codes``); the final chunk may carry the audio tail or be empty (both None,
+    ``frames == 0``). ``input_tokens`` / ``output_frames`` are set on the final chunk.
+    """
+
+    pcm: np.ndarray | None = None  # [samples] float32 mono in [-1, 1] at Backend.sample_rate
+    codes: np.ndarray | None = None  # [frames, 16] int64
+    frames: int = 0  # codec frames (80 ms each) this chunk covers
+    final: bool = False
+    input_tokens: int = 0  # final chunk only: prompt tokens billed to the request
+    output_frames: int = 0  # final chunk only: codec frames generated in total
+
+
+class BackendError(Exception):
+    """A typed failure the server maps straight onto HTTP / SSE / WebSocket.
+
+    ``status`` is the HTTP status (400 bad voice/language, 429 queue full, 503 shutting down or
+    unavailable, 500 internal); ``code`` a short machine string ("invalid_voice",
+    "server_busy"...); ``param`` the request field at fault; ``retry_after`` seconds a client
+    should wait before retrying (sent as the Retry-After header on 429/503).
+    """
+
+    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    def __repr__(self) -> str:
+        return f"BackendError({self.status}, {self.code!r}, {self.message!r})"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the server needs from a model pipeline (the real one or ``FakeBackend``)."""
+
+    model_name: str  # the served model id (``model`` in requests, ``/v1/models``)
+    sample_rate: int  # PCM rate of AudioChunk.pcm (24000 for the 12 Hz codec)
+    supports_instructions: bool  # False: a request with ``instructions`` is a 400
+    supports_codec_frames: bool  # False: ``stream_codes`` jobs are refused (validate raises 400)
+
+    def voices(self) -> list[str]:
+        """Speaker names, in a fixed order (OpenAI aliases map onto it); [] if the model has none."""
+        ...
+
+    def languages(self) -> list[str]:
+        """Language names accepted in ``SpeechJob.language`` besides "auto"."""
+        ...
+
+    def validate(self, job: SpeechJob) -> None:
+        """Raise BackendError (4xx) for a job this backend cannot run: unknown voice or language,
+        instructions or codec frames unsupported, max_frames out of range. Called before any
+        audio is produced; cheap and synchronous. Text content is the server's to check (this
+        may be called with an empty-text template at WebSocket ``session.config`` time)."""
+        ...
+
+    def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
+        """Synthesize ``job``: implement as ``async def stream(self, job): ... yield chunk``.
+
+        Admission failures (queue full past its deadline, shutting down) raise BackendError
+        before the first chunk; failures after it raise BackendError (or anything else, which
+        the server reports as 500) mid-stream. See the module docstring for cancellation."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Numeric gauges for /metrics, read at scrape time: at least ``active_streams`` and
+        ``queue_depth``; ``slots_total`` / ``slots_free`` etc. as the backend has them."""
+        ...
+
+    async def start(self) -> None:
+        """Load / spawn stages; called once before the server accepts requests."""
+        ...
+
+    async def close(self) -> None:
+        """Cancel running streams and release every resource; called once at shutdown."""
+        ...

@@ -1,0 +1,206 @@
+"""Wire schema (msgspec structs) and its resolution into a :class:`SpeechJob`.
+
+Types are checked by msgspec on decode (the error names the field); values, the model name,
+voice aliases, formats and the text cap are checked here; voice/language against the model
+are checked by ``backend.validate``. HTTP and WebSocket share :class:`SynthesisOptions`.
+
+Voice aliases: the OpenAI voice names, in the order of :data:`OPENAI_VOICES`, map onto
+``backend.voices()`` in its order, wrapping around: with the 9 Qwen3-TTS CustomVoice speakers
+alloy -> voices[0], ash -> voices[1], ..., fable -> voices[5], ..., marin -> voices[2],
+cedar -> voices[3]. A backend voice name (any case) is always accepted as itself.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from typing import Union
+
+import msgspec
+
+from omni_stream.server.audio import AudioFormat, default_format, supported_formats
+from omni_stream.server.backend import Backend, BackendError, SpeechJob
+from omni_stream.server.errors import ApiError
+from omni_stream.server.settings import ServerSettings
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
+                 "shimmer", "verse", "marin", "cedar")
+MAX_SEED = 2**63 - 1
+MAX_INITIAL_CHUNK_FRAMES = 64
+
+
+class VoiceRef(msgspec.Struct):
+    id: str
+
+
+class SynthesisOptions(msgspec.Struct, kw_only=True):
+    """Fields shared by ``POST /v1/audio/speech`` and WebSocket ``session.config``."""
+
+    model: str | None = None  # None: the served model
+    voice: Union[str, VoiceRef, None] = None  # None: the model's default speaker
+    instructions: str | None = None
+    response_format: str | None = None
+    speed: float | None = None
+    # extensions (vLLM-Omni compatible)
+    language: str | None = None  # None / "auto": detect
+    seed: int | None = None
+    max_new_tokens: int | None = None  # codec frames (80 ms each)
+    initial_codec_chunk_frames: int | None = None
+    greedy: bool | None = None
+    do_sample: bool | None = None  # do_sample=false is greedy=true
+
+
+class SpeechRequest(SynthesisOptions, kw_only=True):
+    """Body of ``POST /v1/audio/speech``."""
+
+    input: str
+    stream_format: str | None = None  # "audio" (default) | "sse"
+    stream: bool = True  # extension: false returns the whole file with Content-Length
+
+
+# --- WebSocket client events (tagged by "type") ---------------------------------------------
+class SessionConfig(SynthesisOptions, kw_only=True, tag="session.config", tag_field="type"):
+    stream_format: str | None = None  # "audio": binary frames (default); "sse": JSON events
+    codec_frames: bool = False  # send codec frames instead of PCM (client-side Code2Wav)
+    split_sentences: bool = True  # synthesize each complete sentence as soon as it arrives
+
+
+class InputText(msgspec.Struct, tag="input.text", tag_field="type"):
+    text: str
+
+
+class InputDone(msgspec.Struct, tag="input.done", tag_field="type"):
+    pass
+
+
+class SessionClose(msgspec.Struct, tag="session.close", tag_field="type"):
+    pass
+
+
+ClientEvent = Union[SessionConfig, InputText, InputDone, SessionClose]
+
+
+def new_request_id(prefix: str = "speech") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def voice_aliases(backend_voices: list[str]) -> dict[str, str | None]:
+    """OpenAI voice name -> backend voice (None where the model has no speakers)."""
+    n = len(backend_voices)
+    return {a: (backend_voices[i % n] if n else None) for i, a in enumerate(OPENAI_VOICES)}
+
+
+def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str]) -> str | None:
+    if voice is None:
+        return None
+    name = (voice.id if isinstance(voice, VoiceRef) else voice).strip()
+    key = name.lower()
+    for v in backend_voices:
+        if v.lower() == key:
+            return v
+    if key in OPENAI_VOICES:
+        return voice_aliases(backend_voices)[key]
+    own = ", ".join(backend_voices) or "(none: the model has no preset speakers)"
+    raise ApiError(400, f"unknown voice '{name}': use one of {own}, or an OpenAI voice name "
+                   f"({', '.join(OPENAI_VOICES)})", code="invalid_voice", param="voice")
+
+
+def check_text(text: str, settings: ServerSettings, param: str = "input") -> str:
+    if not text.strip():
+        raise ApiError(400, f"'{param}' is empty: send the text to speak", code="empty_input",
+                       param=param)
+    if len(text) > settings.max_input_chars:
+        raise ApiError(400, f"'{param}' has {len(text)} characters; the maximum is "
+                       f"{settings.max_input_chars}: split the text into several requests",
+                       code="input_too_long", param=param)
+    return text
+
+
+def _positive(value: int | None, name: str, upper: int | None = None) -> None:
+    if value is not None and (value < 1 or (upper is not None and value > upper)):
+        rng = f"[1, {upper}]" if upper else ">= 1"
+        raise ApiError(400, f"'{name}' must be {rng}, got {value}", code="invalid_value",
+                       param=name)
+
+
+def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSettings, *,
+                    stream_codes: bool = False) -> SpeechJob:
+    """Check ``opts`` and return a job template (empty text and request id), validated by the
+    backend. Raises ApiError naming the field."""
+    served = backend.model_name
+    if opts.model is not None and opts.model not in (served, *settings.model_aliases):
+        raise ApiError(400, f"unknown model '{opts.model}': this server serves '{served}' "
+                       f"(aliases: {', '.join(settings.model_aliases)})", code="model_not_found",
+                       param="model")
+    if opts.speed is not None:
+        if not 0.25 <= opts.speed <= 4.0:
+            raise ApiError(400, f"'speed' must be between 0.25 and 4.0, got {opts.speed}",
+                           code="invalid_value", param="speed")
+        if opts.speed != 1.0:
+            raise ApiError(400, f"'speed' {opts.speed} is not supported yet: only 1.0 (omit it)",
+                           code="unsupported_speed", param="speed")
+    if opts.seed is not None and not 0 <= opts.seed <= MAX_SEED:
+        raise ApiError(400, f"'seed' must be in [0, 2**63 - 1], got {opts.seed}",
+                       code="invalid_value", param="seed")
+    _positive(opts.max_new_tokens, "max_new_tokens")
+    _positive(opts.initial_codec_chunk_frames, "initial_codec_chunk_frames",
+              MAX_INITIAL_CHUNK_FRAMES)
+    if opts.greedy is not None and opts.do_sample is not None and opts.greedy == opts.do_sample:
+        raise ApiError(400, "'greedy' and 'do_sample' contradict each other: send one of them",
+                       code="invalid_value", param="do_sample")
+    greedy = opts.greedy if opts.greedy is not None else opts.do_sample is False
+    instructions = (opts.instructions or "").strip() or None
+    if instructions is not None:
+        check_text(instructions, settings, "instructions")
+    job = SpeechJob(text="", request_id="", voice=resolve_voice(opts.voice, backend.voices()),
+                    language=(opts.language or "auto").strip().lower() or "auto",
+                    instructions=instructions, seed=opts.seed, max_frames=opts.max_new_tokens,
+                    greedy=greedy, stream_codes=stream_codes,
+                    initial_chunk_frames=opts.initial_codec_chunk_frames)
+    try:
+        backend.validate(job)
+    except BackendError as e:
+        raise ApiError.from_backend(e) from None
+    return job
+
+
+@dataclass(frozen=True)
+class SpeechPlan:
+    """How to answer one HTTP speech request."""
+
+    job: SpeechJob
+    fmt: AudioFormat
+    mode: str  # "audio": chunked audio; "sse": SSE events; "file": whole file
+
+
+def decode_speech_request(body: bytes) -> SpeechRequest:
+    try:
+        return msgspec.json.decode(body, type=SpeechRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ApiError.from_validation(e) from None
+
+
+def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings) -> SpeechPlan:
+    stream_format = req.stream_format or "audio"
+    if stream_format not in ("audio", "sse"):
+        raise ApiError(400, f"unknown stream_format '{stream_format}': use 'audio' or 'sse'",
+                       code="invalid_value", param="stream_format")
+    sse = stream_format == "sse"
+    formats = supported_formats()
+    name = (req.response_format or "").strip().lower() or (
+        "pcm" if sse else settings.default_response_format or default_format())
+    if name not in formats:
+        raise ApiError(400, f"unsupported response_format '{name}': use one of "
+                       f"{', '.join(formats)}", code="invalid_response_format",
+                       param="response_format")
+    if sse and name != "pcm":
+        raise ApiError(400, "stream_format 'sse' sends base64 pcm: use response_format 'pcm'",
+                       code="invalid_response_format", param="response_format")
+    if sse and not req.stream:
+        raise ApiError(400, "stream_format 'sse' needs stream true", code="invalid_value",
+                       param="stream")
+    fmt = formats[name]
+    mode = "sse" if sse else ("audio" if req.stream and fmt.streamable else "file")
+    text = check_text(req.input, settings)
+    job = resolve_options(req, backend, settings)
+    return SpeechPlan(replace(job, text=text, request_id=new_request_id()), fmt, mode)

@@ -1,0 +1,93 @@
+"""One backend stream as a handler sees it: typed errors, metrics, and a guaranteed close.
+
+``async with StreamRun(...) as run`` opens ``backend.stream(job)``; ``await run.next()`` returns
+the next chunk (None after the final one) and turns every backend failure into an ApiError;
+leaving the block closes the generator (``aclose``) whatever happened, which is how a client
+disconnect or handler cancellation reaches the backend and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncGenerator
+
+from omni_stream.server.backend import FRAME_SECONDS, AudioChunk, Backend, BackendError, SpeechJob
+from omni_stream.server.errors import ApiError, internal_error
+from omni_stream.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class StreamRun:
+    def __init__(self, backend: Backend, job: SpeechJob, metrics: ServerMetrics, endpoint: str,
+                 t0: float | None = None) -> None:
+        self.backend = backend
+        self.job = job
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.t0 = time.perf_counter() if t0 is None else t0  # TTFA is measured from here
+        self.final: AudioChunk | None = None
+        self.frames_sent = 0
+        self._gen: AsyncGenerator[AudioChunk, None] | None = None
+        self._first_sent = False
+
+    async def __aenter__(self) -> "StreamRun":
+        self._gen = self.backend.stream(self.job)
+        self.metrics.active_streams.labels(self.endpoint).inc()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        assert self._gen is not None
+        try:
+            await self._gen.aclose()
+        finally:
+            self.metrics.active_streams.labels(self.endpoint).dec()
+            if exc_type is None:
+                outcome = "completed" if self.final is not None else "error"
+            elif issubclass(exc_type, (asyncio.CancelledError, ConnectionError)):
+                outcome = "disconnected"
+            elif (issubclass(exc_type, ApiError) and self.frames_sent == 0
+                  and (exc.status < 500 or exc.status == 503)):
+                outcome = "rejected"  # refused at admission (queue full, shutting down)
+            else:
+                outcome = "error"
+            self.metrics.stream_outcomes.labels(self.endpoint, outcome).inc()
+            self.metrics.audio_seconds.labels(self.endpoint).inc(self.frames_sent * FRAME_SECONDS)
+            log.debug("%s %s: %d frames, %s", self.endpoint, self.job.request_id,
+                      self.frames_sent, outcome)
+
+    async def next(self) -> AudioChunk | None:
+        """The next chunk, or None once the final chunk has been returned."""
+        assert self._gen is not None
+        if self.final is not None:
+            return None
+        try:
+            chunk = await self._gen.__anext__()
+        except StopAsyncIteration:
+            log.error("%s: backend stream ended without a final chunk", self.job.request_id)
+            raise internal_error(self.job.request_id) from None
+        except BackendError as e:
+            if e.status >= 500:
+                log.error("%s: backend failed: %r", self.job.request_id, e)
+            raise ApiError.from_backend(e) from None
+        except Exception:
+            log.exception("%s: backend raised", self.job.request_id)
+            raise internal_error(self.job.request_id) from None
+        if chunk.final:
+            self.final = chunk
+        return chunk
+
+    def sent(self, chunk: AudioChunk) -> None:
+        """Call after a chunk's bytes were written: feeds time to first audio."""
+        self.frames_sent += chunk.frames
+        if not self._first_sent and chunk.frames:
+            self._first_sent = True
+            self.metrics.ttfa.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI usage: input tokens, output tokens (= codec frames)."""
+        inp = self.final.input_tokens if self.final else 0
+        out = self.final.output_frames if self.final else self.frames_sent
+        return {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out}

@@ -1,0 +1,328 @@
+"""POST /v1/audio/speech and the plain routes, over a real socket, against FakeBackend."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import struct
+import time
+
+import aiohttp
+import pytest
+import soundfile as sf
+from aiohttp import web
+
+from omni_stream.server.app import create_app
+from omni_stream.server.audio import supported_formats, to_s16le
+from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
+from omni_stream.server.metrics import observe_step
+from omni_stream.server.testing import post_speech as post
+from omni_stream.server.testing import run_async as arun
+from omni_stream.server.testing import running_server
+
+BYTES_PER_FRAME = 1920 * 2  # s16le
+TEXT = "The quick brown fox jumps over the lazy dog."  # 44 chars -> 12 frames
+LONG_TEXT = "word " * 200  # 251 frames: ~5 s at 20 ms per frame
+
+
+def sse_events(body: bytes) -> list[dict]:
+    records = [r for r in body.decode().split("\n\n") if r.strip()]
+    assert all(r.startswith("data: ") for r in records), records[:2]
+    return [json.loads(r[len("data: "):]) for r in records]
+
+
+# --- streaming formats --------------------------------------------------------------------------
+def test_streamed_pcm_is_chunked_byte_exact_and_fast_to_first_byte():
+    async def main():
+        backend = FakeBackend(frame_delay=0.01)
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/audio/speech", json={
+                    "model": "tts-1", "input": TEXT, "voice": "alloy", "response_format": "pcm",
+                    "seed": 7}) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "audio/pcm"
+                assert r.headers["Transfer-Encoding"] == "chunked"
+                assert r.headers["X-Request-Id"].startswith("speech-")
+                first = await r.content.readany()
+                t_first = time.perf_counter() - t0
+                body = first + await r.read()
+            t_total = time.perf_counter() - t0
+        frames = expected_frames(TEXT)
+        assert len(body) == frames * BYTES_PER_FRAME
+        # the first chunk (1 frame) is written before the rest is synthesized
+        assert t_first < t_total / 2, (t_first, t_total)
+        # streamed == one-pass: the chunking is invisible in the bytes
+        assert body == to_s16le(fake_audio(7, 0, frames * 1920))
+        job = backend.jobs[0]
+        assert job.voice == "vivian" and job.seed == 7 and job.text == TEXT
+
+    arun(main())
+
+
+def test_streamed_wav_has_one_header_with_placeholder_sizes():
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            status, headers, body = await post(s, url, {"input": TEXT, "response_format": "wav"})
+        assert status == 200 and headers["Content-Type"] == "audio/wav"
+        assert headers["Transfer-Encoding"] == "chunked"
+        assert body.count(b"RIFF") == 1 and body.count(b"WAVE") == 1 and body[:4] == b"RIFF"
+        riff_size, = struct.unpack("<I", body[4:8])
+        data_tag, data_size = struct.unpack("<4sI", body[36:44])
+        assert data_tag == b"data" and riff_size == data_size == 0xFFFFFFFF
+        frames = expected_frames(TEXT)
+        assert len(body) - 44 == frames * BYTES_PER_FRAME
+        audio, sr = sf.read(io.BytesIO(body), dtype="float32")  # players accept the placeholder
+        assert sr == 24000 and len(audio) == frames * 1920
+
+    arun(main())
+
+
+def test_non_streamed_wav_has_exact_sizes():
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            status, headers, body = await post(
+                s, url, {"input": TEXT, "response_format": "wav", "stream": False})
+        assert status == 200 and "Transfer-Encoding" not in headers
+        assert int(headers["Content-Length"]) == len(body)
+        frames = expected_frames(TEXT)
+        riff_size, = struct.unpack("<I", body[4:8])
+        data_size, = struct.unpack("<I", body[40:44])
+        assert data_size == frames * BYTES_PER_FRAME == len(body) - 44 and riff_size == 36 + data_size
+        assert headers["X-Usage-Output-Tokens"] == str(frames)
+
+    arun(main())
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
+def test_whole_file_formats_decode(fmt):
+    if fmt not in supported_formats():
+        pytest.skip(f"this libsndfile cannot write {fmt}")
+
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT, "response_format": fmt})
+
+    status, headers, body = arun(main())
+    assert status == 200 and headers["Content-Type"] == supported_formats()[fmt].content_type
+    audio, sr = sf.read(io.BytesIO(body))
+    assert sr == 24000 and abs(len(audio) - expected_frames(TEXT) * 1920) <= 2048  # codec padding
+
+
+def test_default_format_is_openai_mp3_when_available():
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT})
+
+    status, headers, _ = arun(main())
+    assert status == 200
+    assert headers["Content-Type"] == ("audio/mpeg" if "mp3" in supported_formats() else "audio/wav")
+
+
+def test_sse_deltas_and_done_with_usage():
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT, "stream_format": "sse", "seed": 3})
+
+    status, headers, body = arun(main())
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(body)
+    deltas, done = events[:-1], events[-1]
+    assert len(deltas) >= 3 and all(e["type"] == "speech.audio.delta" for e in deltas)
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    frames = expected_frames(TEXT)
+    assert pcm == to_s16le(fake_audio(3, 0, frames * 1920))
+    assert done["type"] == "speech.audio.done"
+    assert done["usage"] == {"input_tokens": len(TEXT), "output_tokens": frames,
+                             "total_tokens": len(TEXT) + frames}
+
+
+def test_sse_error_event_when_backend_fails_mid_stream():
+    async def main():
+        backend = FakeBackend(fail_after_frames=3)
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            result = await post(s, url, {"input": TEXT, "stream_format": "sse"})
+            return result, backend.stats()
+
+    (status, _, body), stats = arun(main())
+    assert status == 200
+    events = sse_events(body)
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "server_error"
+    assert not any(e["type"] == "speech.audio.done" for e in events)
+    assert stats["active_streams"] == 0
+
+
+def test_audio_stream_is_aborted_not_ended_when_backend_fails_mid_stream():
+    async def main():
+        async with running_server(FakeBackend(fail_after_frames=3)) as url, \
+                aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/audio/speech",
+                              json={"input": TEXT, "response_format": "pcm"}) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+
+    arun(main())
+
+
+def test_extensions_reach_the_job():
+    async def main():
+        backend = FakeBackend()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            status, _, body = await post(s, url, {
+                "input": TEXT, "response_format": "pcm", "voice": {"id": "Serena"},
+                "language": "English", "seed": 11, "max_new_tokens": 5,
+                "initial_codec_chunk_frames": 2, "do_sample": False,
+                "instructions": "  calm  ", "model": "omni-stream-fake"})
+        assert status == 200 and len(body) == 5 * BYTES_PER_FRAME
+        job = backend.jobs[0]
+        assert (job.voice, job.language, job.seed, job.max_frames, job.initial_chunk_frames,
+                job.greedy, job.instructions) == ("serena", "english", 11, 5, 2, True, "calm")
+
+    arun(main())
+
+
+def test_openai_voice_aliases_map_in_documented_order():
+    async def main():
+        backend = FakeBackend(voices=("a", "b", "c"))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            for v in ("alloy", "ash", "ballad", "coral", "CEDAR"):
+                status, _, _ = await post(s, url, {"input": "hi", "voice": v,
+                                                   "response_format": "pcm"})
+                assert status == 200
+            async with s.get(url + "/v1/audio/voices") as r:
+                listing = await r.json()
+        assert [j.voice for j in backend.jobs] == ["a", "b", "c", "a", "a"]  # cedar is 13th
+        assert listing["voices"] == ["a", "b", "c"]
+        assert listing["openai_aliases"]["coral"] == "a"
+
+    arun(main())
+
+
+# --- observability ------------------------------------------------------------------------------
+def test_health_models_and_metrics():
+    async def main():
+        async with running_server(FakeBackend(max_streams=4)) as url, aiohttp.ClientSession() as s:
+            await post(s, url, {"input": TEXT, "response_format": "pcm"})
+            await post(s, url, {"input": ""})
+            observe_step("talker_step", 0.004)
+            async with s.get(url + "/health") as r:
+                health = (r.status, await r.json())
+            async with s.get(url + "/v1/models/tts-1") as r:
+                model = (r.status, await r.json())
+            async with s.get(url + "/v1/models/other") as r:
+                missing = r.status
+            async with s.get(url + "/metrics") as r:
+                return health, model, missing, r.status, r.headers["Content-Type"], await r.text()
+
+    health, model, missing, status, ctype, text = arun(main())
+    assert health == (200, {"status": "ok", "model": "omni-stream-fake"})
+    assert model[0] == 200 and model[1]["id"] == "omni-stream-fake" and missing == 404
+    assert status == 200 and ctype.startswith("text/plain")
+    for name in ("omni_stream_requests_total", "omni_stream_time_to_first_audio_seconds_bucket",
+                 "omni_stream_active_streams", "omni_stream_streams_total",
+                 "omni_stream_audio_seconds_total", "omni_stream_ws_sessions",
+                 "omni_stream_backend_active_streams", "omni_stream_backend_queue_depth",
+                 "omni_stream_backend_slots_total 4.0", 'omni_stream_step_seconds_bucket{le=',
+                 'phase="talker_step"', 'phase="encode_write"'):
+        assert name in text, name
+    assert 'omni_stream_requests_total{route="/v1/audio/speech",status="200"} 1.0' in text
+    assert 'omni_stream_requests_total{route="/v1/audio/speech",status="400"} 1.0' in text
+    assert 'omni_stream_streams_total{endpoint="audio",outcome="completed"} 1.0' in text
+    assert 'omni_stream_time_to_first_audio_seconds_count{endpoint="audio"} 1.0' in text
+
+
+def test_fake_backend_satisfies_the_protocol():
+    from omni_stream.server.backend import Backend
+
+    assert isinstance(FakeBackend(), Backend)
+
+
+def test_runner_cleanup_closes_the_backend():
+    async def main():
+        backend = FakeBackend()
+        app = create_app(backend)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        assert backend.running
+        await runner.cleanup()
+        return backend.running
+
+    assert arun(main()) is False
+
+
+# --- concurrency and cancellation ---------------------------------------------------------------
+def test_eight_concurrent_streams_complete_with_correct_lengths():
+    async def main():
+        backend = FakeBackend(frame_delay=0.01)
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, backend.active)
+                await asyncio.sleep(0.002)
+
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            w = asyncio.create_task(watch())
+            texts = [TEXT[: 8 + 4 * i] for i in range(8)]
+            fmts = ["pcm", "wav"] * 4
+            results = await asyncio.gather(*(
+                post(s, url, {"input": t, "response_format": f, "seed": i})
+                for i, (t, f) in enumerate(zip(texts, fmts))))
+            w.cancel()
+        for i, (t, f, (status, _, body)) in enumerate(zip(texts, fmts, results)):
+            header = 44 if f == "wav" else 0
+            assert status == 200
+            assert body[header:] == to_s16le(fake_audio(i, 0, expected_frames(t) * 1920))
+        return peak, backend.stats()
+
+    peak, stats = arun(main())
+    assert peak >= 4, peak  # they really ran side by side
+    assert stats["active_streams"] == 0
+
+
+async def _disconnect_mid_stream(runner_factory) -> tuple[dict, float]:
+    backend = FakeBackend(frame_delay=0.02)
+    app = create_app(backend)
+    runner = runner_factory(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(url + "/v1/audio/speech",
+                             json={"input": LONG_TEXT, "response_format": "pcm"})
+            assert r.status == 200
+            assert await r.content.readany()
+            assert backend.active == 1
+            r.close()  # drop the connection mid-stream
+        t0 = time.perf_counter()
+        while backend.active and time.perf_counter() - t0 < 3:
+            await asyncio.sleep(0.005)
+        freed_after = time.perf_counter() - t0
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as m:
+            text = await m.text()
+        assert 'omni_stream_active_streams{endpoint="audio"} 0.0' in text
+        assert 'omni_stream_streams_total{endpoint="audio",outcome="disconnected"} 1.0' in text
+        return backend.stats() | {"completed": backend.completed_total}, freed_after
+    finally:
+        await runner.cleanup()
+
+
+def test_disconnect_mid_stream_frees_the_backend_stream_at_once():
+    from omni_stream.server.app import make_runner
+
+    stats, freed_after = arun(_disconnect_mid_stream(make_runner))
+    assert stats["active_streams"] == 0 and stats["streams_cancelled_total"] == 1
+    assert stats["completed"] == 0
+    assert freed_after < 0.5, freed_after  # cancelled on disconnect, not run to its 5 s end
+
+
+def test_disconnect_is_noticed_at_next_write_without_handler_cancellation():
+    stats, freed_after = arun(_disconnect_mid_stream(web.AppRunner))  # a plain runner
+    assert stats["active_streams"] == 0 and stats["streams_cancelled_total"] == 1
+    assert freed_after < 2.0, freed_after  # one chunk (<= 8 frames of 20 ms) later

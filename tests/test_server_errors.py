@@ -1,0 +1,202 @@
+"""Bad input, auth and overload on POST /v1/audio/speech: status, OpenAI error body, headers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from omni_stream.server.backend import BackendError
+from omni_stream.server.fake_backend import FakeBackend, expected_frames
+from omni_stream.server.settings import ServerSettings
+from omni_stream.server.testing import post_speech as post
+from omni_stream.server.testing import run_async as arun
+from omni_stream.server.testing import running_server
+
+BYTES_PER_FRAME = 1920 * 2
+TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def error_of(body: bytes) -> dict:
+    """The OpenAI error object, checking the shape exactly."""
+    doc = json.loads(body)
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
+    return doc["error"]
+
+
+# --- bad input ----------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    # (body, status, code, param)
+    ("{not json", 400, "invalid_json", None),
+    ("[1, 2]", 400, "invalid_type", None),
+    ({"model": "tts-1"}, 400, "invalid_type", "input"),
+    ({"input": ""}, 400, "empty_input", "input"),
+    ({"input": "   \n"}, 400, "empty_input", "input"),
+    ({"input": "x" * 101}, 400, "input_too_long", "input"),
+    ({"input": 3}, 400, "invalid_type", "input"),
+    ({"input": "hi", "speed": "fast"}, 400, "invalid_type", "speed"),
+    ({"input": "hi", "seed": "x"}, 400, "invalid_type", "seed"),
+    ({"input": "hi", "voice": 5}, 400, "invalid_type", "voice"),
+    ({"input": "hi", "voice": {"name": "x"}}, 400, "invalid_type", "voice"),
+    ({"input": "hi", "stream": "yes"}, 400, "invalid_type", "stream"),
+    ({"input": "hi", "voice": "bogus"}, 400, "invalid_voice", "voice"),
+    ({"input": "hi", "response_format": "aac"}, 400, "invalid_response_format", "response_format"),
+    ({"input": "hi", "model": "gpt-4"}, 400, "model_not_found", "model"),
+    ({"input": "hi", "speed": 0.1}, 400, "invalid_value", "speed"),
+    ({"input": "hi", "speed": 4.5}, 400, "invalid_value", "speed"),
+    ({"input": "hi", "speed": 1.5}, 400, "unsupported_speed", "speed"),
+    ({"input": "hi", "stream_format": "chunks"}, 400, "invalid_value", "stream_format"),
+    ({"input": "hi", "stream_format": "sse", "response_format": "wav"}, 400,
+     "invalid_response_format", "response_format"),
+    ({"input": "hi", "stream_format": "sse", "stream": False}, 400, "invalid_value", "stream"),
+    ({"input": "hi", "language": "klingon"}, 400, "invalid_language", "language"),
+    ({"input": "hi", "greedy": True, "do_sample": True}, 400, "invalid_value", "do_sample"),
+    ({"input": "hi", "max_new_tokens": 0}, 400, "invalid_value", "max_new_tokens"),
+    ({"input": "hi", "initial_codec_chunk_frames": 0}, 400, "invalid_value",
+     "initial_codec_chunk_frames"),
+    ({"input": "hi", "seed": -1}, 400, "invalid_value", "seed"),
+]
+
+
+def test_bad_requests_get_openai_errors():
+    async def main():
+        backend = FakeBackend()
+        settings = ServerSettings(max_input_chars=100, max_body_bytes=8192)
+        out = []
+        async with running_server(backend, settings) as url, aiohttp.ClientSession() as s:
+            for body, *_ in BAD_REQUESTS:
+                out.append(await post(s, url, body))
+            out.append(await post(s, url, {"input": "x" * 9000}))  # body over the cap
+            async with s.get(url + "/v1/nope") as r:
+                out.append((r.status, dict(r.headers), await r.read()))
+            async with s.get(url + "/v1/audio/speech") as r:
+                out.append((r.status, dict(r.headers), await r.read()))
+            ok = await post(s, url, {"input": "x" * 100, "response_format": "pcm"})
+        return out, ok, backend
+
+    out, ok, backend = arun(main())
+    expected = [tuple(x[1:]) for x in BAD_REQUESTS] + [
+        (413, "request_too_large", None), (404, "not_found", None),
+        (405, "method_not_allowed", None)]
+    for (body, *_), (status, headers, raw), (want_status, want_code, want_param) in zip(
+            BAD_REQUESTS + [("big",), ("404",), ("405",)], out, expected):
+        err = error_of(raw)
+        assert (status, err["code"], err["param"]) == (want_status, want_code, want_param), \
+            (body, status, err)
+        assert headers["Content-Type"].startswith("application/json")
+        assert err["type"] == "invalid_request_error"
+    messages = {x[0] if isinstance(x[0], str) else json.dumps(x[0]): error_of(o[2])["message"]
+                for x, o in zip(BAD_REQUESTS, out)}
+    assert "vivian" in messages['{"input": "hi", "voice": "bogus"}']
+    assert "alloy" in messages['{"input": "hi", "voice": "bogus"}']
+    assert "pcm, wav" in messages['{"input": "hi", "response_format": "aac"}']
+    assert "`$.speed`" in messages['{"input": "hi", "speed": "fast"}']
+    assert "only 1.0" in messages['{"input": "hi", "speed": 1.5}']
+    assert ok[0] == 200 and len(ok[2]) == expected_frames("x" * 100) * BYTES_PER_FRAME
+    assert len(backend.jobs) == 1  # no bad request reached the backend
+
+
+def test_instructions_refused_when_the_model_cannot_take_them():
+    async def main():
+        async with running_server(FakeBackend(supports_instructions=False)) as url, \
+                aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": "hi", "instructions": "whisper"})
+
+    status, _, body = arun(main())
+    assert status == 400 and error_of(body)["code"] == "instructions_unsupported"
+
+
+# --- auth ---------------------------------------------------------------------------------------
+def test_api_key_required_everywhere_but_health():
+    async def main():
+        settings = ServerSettings(api_key="sekrit")
+        async with running_server(FakeBackend(), settings) as url, aiohttp.ClientSession() as s:
+            res = {}
+            for name, headers in (("none", None), ("wrong", {"Authorization": "Bearer nope"}),
+                                  ("basic", {"Authorization": "Basic sekrit"}),
+                                  ("good", {"Authorization": "Bearer sekrit"})):
+                res[name] = [await post(s, url, {"input": "hi", "response_format": "pcm"},
+                                        headers)]
+                for path in ("/v1/models", "/metrics", "/v1/audio/voices", "/health"):
+                    async with s.get(url + path, headers=headers) as r:
+                        res[name].append((r.status, None, await r.read()))
+        return res
+
+    res = arun(main())
+    for name in ("none", "wrong", "basic"):
+        statuses = [r[0] for r in res[name]]
+        assert statuses == [401, 401, 401, 401, 200], (name, statuses)
+        assert error_of(res[name][0][2])["code"] == "invalid_api_key"
+    assert [r[0] for r in res["good"]] == [200] * 5
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("OMNI_STREAM_API_KEY", "envkey")
+    assert ServerSettings.from_env().api_key == "envkey"
+    assert ServerSettings.from_env(api_key="flag").api_key == "flag"
+    monkeypatch.delenv("OMNI_STREAM_API_KEY")
+    assert ServerSettings.from_env().api_key is None
+
+
+def test_no_api_key_means_open():
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            async with s.get(url + "/v1/models") as r:
+                return r.status, await r.json()
+
+    status, doc = arun(main())
+    assert status == 200 and doc["object"] == "list"
+    assert doc["data"][0]["id"] == "omni-stream-fake" and doc["data"][0]["object"] == "model"
+
+
+# --- overload -----------------------------------------------------------------------------------
+def test_full_backend_gives_429_with_retry_after_and_running_stream_is_unharmed():
+    async def main():
+        backend = FakeBackend(max_streams=1, queue_timeout=0.05, retry_after=2.5,
+                              frame_delay=0.01)
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            first = asyncio.create_task(post(s, url, {"input": TEXT * 2, "response_format": "pcm"}))
+            while backend.active == 0:
+                await asyncio.sleep(0.005)
+            second = await post(s, url, {"input": "hi"})
+            return await first, second
+
+    first, (status, headers, body) = arun(main())
+    assert status == 429 and headers["Retry-After"] == "3"
+    err = error_of(body)
+    assert err["type"] == "rate_limit_error" and err["code"] == "server_busy"
+    assert first[0] == 200 and len(first[2]) == expected_frames(TEXT * 2) * BYTES_PER_FRAME
+
+
+def test_backend_unavailable_gives_503_with_retry_after():
+    async def main():
+        backend = FakeBackend(reject=BackendError(503, "overloaded", "KV budget exhausted",
+                                                  retry_after=0.2))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": "hi"})
+
+    status, headers, body = arun(main())
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert error_of(body) == {"message": "KV budget exhausted", "type": "server_error",
+                              "param": None, "code": "overloaded"}
+
+
+def test_not_ready_gives_503_and_health_says_so():
+    async def main():
+        from omni_stream.server.app import start_server
+        from omni_stream.server.state import STATE
+
+        runner, url = await start_server(FakeBackend(), "127.0.0.1", 0)
+        try:
+            runner.app[STATE].ready = False  # as while starting or draining
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url + "/health") as r:
+                    health = r.status
+                return health, await post(s, url, {"input": "hi"})
+        finally:
+            await runner.cleanup()
+
+    health, (status, headers, body) = arun(main())
+    assert health == 503 and status == 503 and headers["Retry-After"] == "1"
+    assert error_of(body)["code"] == "unavailable"

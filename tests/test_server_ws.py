@@ -1,0 +1,316 @@
+"""WebSocket /v1/audio/speech/stream over a real socket, against FakeBackend."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+
+from omni_stream.server.audio import to_s16le
+from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio, fake_codes
+from omni_stream.server.settings import ServerSettings
+from omni_stream.server.testing import run_async as arun
+from omni_stream.server.testing import running_server
+from omni_stream.server.ws import split_sentences
+
+WS_PATH = "/v1/audio/speech/stream"
+
+
+@contextlib.asynccontextmanager
+async def ws_session(backend: FakeBackend | None = None, settings: ServerSettings | None = None):
+    """A server and one connected session, past its session.created."""
+    async with running_server(backend or FakeBackend(), settings) as url, \
+            aiohttp.ClientSession() as s, s.ws_connect(url + WS_PATH) as ws:
+        assert (await ws.receive_json())["type"] == "session.created"
+        yield ws
+
+
+async def read_until(ws, event_type: str) -> list:
+    """Messages up to and including the JSON event ``event_type``: dicts and bytes."""
+    out = []
+    while True:
+        msg = await ws.receive(timeout=10)
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            out.append(msg.data)
+        elif msg.type == aiohttp.WSMsgType.TEXT:
+            out.append(json.loads(msg.data))
+            if out[-1]["type"] == event_type:
+                return out
+        else:
+            raise AssertionError(f"socket ended: {msg.type} {ws.close_code} after {out}")
+
+
+def utterances(messages: list) -> list[tuple[dict, bytes, dict]]:
+    """(audio.start, concatenated binary audio, audio.done) per utterance."""
+    out, start, parts = [], None, []
+    for m in messages:
+        if isinstance(m, bytes):
+            assert start is not None
+            parts.append(m)
+        elif m["type"] == "audio.start":
+            start, parts = m, []
+        elif m["type"] == "audio.done":
+            assert m["request_id"] == start["request_id"]
+            out.append((start, b"".join(parts), m))
+            start = None
+    return out
+
+
+def test_session_with_two_utterances_split_at_sentences():
+    async def main():
+        backend = FakeBackend()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            async with s.ws_connect(url + WS_PATH) as ws:
+                created = await ws.receive_json()
+                await ws.send_json({"type": "session.config", "voice": "alloy", "seed": 5,
+                                    "language": "english", "response_format": "pcm"})
+                updated = await ws.receive_json()
+                # text arrives in pieces, as from an LLM; the first sentence completes mid-piece
+                for piece in ("Hello there, my ", "friend. How are", " you today?"):
+                    await ws.send_json({"type": "input.text", "text": piece})
+                await ws.send_json({"type": "input.done"})
+                await ws.send_json({"type": "session.close"})
+                messages = await read_until(ws, "session.done")
+                closing = await ws.receive()
+                return created, updated, messages, closing, ws.close_code, backend
+
+    created, updated, messages, closing, code, backend = arun(main())
+    assert created["type"] == "session.created" and created["session"]["sample_rate"] == 24000
+    assert updated["type"] == "session.updated" and updated["session"]["voice"] == "vivian"
+    utts = utterances(messages)
+    assert [u[0]["text"] for u in utts] == ["Hello there, my friend.", "How are you today?"]
+    for start, audio, done in utts:
+        frames = expected_frames(start["text"])
+        assert start["format"] == "pcm_s16le" and start["sample_rate"] == 24000
+        assert audio == to_s16le(fake_audio(5, 0, frames * 1920))
+        assert done["usage"]["output_tokens"] == frames
+        assert done["usage"]["total_tokens"] == frames + done["usage"]["input_tokens"]
+    assert messages[-1] == {"type": "session.done"}
+    assert closing.type == aiohttp.WSMsgType.CLOSE and code == 1000
+    assert [j.voice for j in backend.jobs] == ["vivian", "vivian"]
+    assert backend.stats()["active_streams"] == 0
+
+
+def test_codec_frames_mode_sends_header_then_int64_frames():
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "codec_frames": True, "seed": 9})
+            assert (await ws.receive_json())["session"]["codec_frames"] is True
+            await ws.send_json({"type": "input.text", "text": "Codec frames please"})
+            await ws.send_json({"type": "input.done"})
+            return await read_until(ws, "audio.done")
+
+    messages = arun(main())
+    start = messages[0]
+    assert start["type"] == "audio.start" and start["format"] == "codec_frames"
+    assert start["num_codebooks"] == 16 and start["dtype"] == "int64"
+    frames, offset, i = [], 0, 1
+    while messages[i]["type"] == "codec.frames":
+        header, payload = messages[i], messages[i + 1]
+        assert isinstance(payload, bytes) and header["offset"] == offset
+        assert header["shape"] == [header["frames"], 16] and len(payload) == header["frames"] * 128
+        frames.append(np.frombuffer(payload, "<i8").reshape(-1, 16))
+        offset += header["frames"]
+        i += 2
+    assert messages[i]["type"] == "audio.done" and i == len(messages) - 1
+    n = expected_frames("Codec frames please")
+    assert offset == n and frames[0].shape == (1, 16)  # 1-frame first chunk
+    np.testing.assert_array_equal(np.concatenate(frames), fake_codes(9, 0, n))
+
+
+def test_codec_frames_refused_when_backend_cannot():
+    async def main():
+        async with ws_session(FakeBackend(supports_codec_frames=False)) as ws:
+            await ws.send_json({"type": "session.config", "codec_frames": True})
+            err = await ws.receive_json()
+            # the session goes on, with pcm
+            await ws.send_json({"type": "input.text", "text": "Still pcm."})
+            await ws.send_json({"type": "input.done"})
+            return err, await read_until(ws, "audio.done")
+
+    err, messages = arun(main())
+    assert err["type"] == "error" and err["error"]["code"] == "codec_frames_unsupported"
+    assert err["error"]["param"] == "codec_frames"
+    assert "cannot stream codec frames" in err["error"]["message"]
+    assert messages[0]["format"] == "pcm_s16le"
+
+
+def test_sse_style_json_deltas():
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "stream_format": "sse", "seed": 1})
+            await ws.receive_json()
+            await ws.send_json({"type": "input.text", "text": "JSON audio"})
+            await ws.send_json({"type": "input.done"})
+            return await read_until(ws, "audio.done")
+
+    messages = arun(main())
+    deltas = [m for m in messages if m["type"] == "speech.audio.delta"]
+    assert not any(isinstance(m, bytes) for m in messages)
+    pcm = b"".join(base64.b64decode(d["audio"]) for d in deltas)
+    assert pcm == to_s16le(fake_audio(1, 0, expected_frames("JSON audio") * 1920))
+
+
+def test_bad_events_get_error_events_and_the_session_survives():
+    async def main():
+        settings = ServerSettings(max_input_chars=50, ws_max_pending_utterances=64)
+        async with ws_session(FakeBackend(), settings) as ws:
+            errors = []
+            for raw in ("{oops", json.dumps({"type": "input.nope"}),
+                        json.dumps({"type": "input.text"}),
+                        json.dumps({"type": "input.text", "text": 5}),
+                        json.dumps({"type": "session.config", "voice": "bogus"}),
+                        json.dumps({"type": "session.config", "response_format": "mp3"}),
+                        json.dumps({"type": "session.config", "speed": 2.0}),
+                        json.dumps({"type": "session.config", "model": "nope"})):
+                await ws.send_str(raw)
+                errors.append(await ws.receive_json())
+            await ws.send_bytes(b"\x00\x01")
+            errors.append(await ws.receive_json())
+            await ws.send_json({"type": "input.text", "text": "   "})
+            await ws.send_json({"type": "input.done"})  # blank: nothing to say, no error
+            await ws.send_json({"type": "input.text", "text": "ok now."})
+            await ws.send_json({"type": "input.done"})
+            messages = await read_until(ws, "audio.done")
+            await ws.send_json({"type": "session.close"})
+            await read_until(ws, "session.done")
+            await ws.send_json({"type": "input.text", "text": "too late"})
+            late = await ws.receive()
+            return errors, messages, late
+
+    errors, messages, late = arun(main())
+    codes = [e["error"]["code"] for e in errors]
+    assert all(e["type"] == "error" for e in errors)
+    assert codes == ["invalid_json", "invalid_type", "invalid_type", "invalid_type",
+                     "invalid_voice", "invalid_response_format", "unsupported_speed",
+                     "model_not_found", "invalid_event"]
+    assert "session.config" in errors[1]["error"]["message"]  # names the known event types
+    assert errors[3]["error"]["param"] == "text"
+    assert [m["type"] for m in messages if isinstance(m, dict)][0] == "audio.start"
+    assert messages[0]["text"] == "ok now."
+    assert late.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+
+
+def test_disconnect_mid_utterance_frees_the_backend_stream():
+    async def main():
+        backend = FakeBackend(frame_delay=0.02)
+        async with ws_session(backend) as ws:
+            await ws.send_json({"type": "input.text", "text": "word " * 200})
+            await ws.send_json({"type": "input.done"})
+            assert (await ws.receive_json())["type"] == "audio.start"
+            assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
+            assert backend.active == 1
+            await ws.close()
+            for _ in range(200):
+                if backend.active == 0:
+                    break
+                await asyncio.sleep(0.005)
+            return backend.stats()
+
+    stats = arun(main())
+    assert stats["active_streams"] == 0 and stats["streams_cancelled_total"] == 1
+
+
+def test_server_shutdown_closes_sessions_with_going_away():
+    async def main():
+        backend = FakeBackend(frame_delay=0.02)
+        from omni_stream.server.app import start_server
+
+        runner, url = await start_server(backend, "127.0.0.1", 0)
+        async with aiohttp.ClientSession() as s:
+            ws = await s.ws_connect(url + WS_PATH)
+            await ws.receive_json()
+            await ws.send_json({"type": "input.text", "text": "word " * 200})
+            await ws.send_json({"type": "input.done"})
+            assert (await ws.receive_json())["type"] == "audio.start"
+            cleanup = asyncio.create_task(runner.cleanup())
+            while True:
+                msg = await ws.receive(timeout=5)
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    break
+            await cleanup
+            return msg, backend
+
+    msg, backend = arun(main())
+    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
+    assert backend.stats()["active_streams"] == 0 and not backend.running
+
+
+def test_websocket_needs_the_api_key():
+    async def main():
+        settings = ServerSettings(api_key="k")
+        async with running_server(FakeBackend(), settings) as url, aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await s.ws_connect(url + WS_PATH)
+            async with s.ws_connect(url + WS_PATH, headers={"Authorization": "Bearer k"}) as ws:
+                created = await ws.receive_json()
+            return e.value.status, created
+
+    status, created = arun(main())
+    assert status == 401 and created["type"] == "session.created"
+
+
+@pytest.mark.parametrize("buffer, sentences, rest", [
+    ("Hello there. How are", ["Hello there."], "How are"),
+    ("One! Two? Three.", ["One!", "Two?"], "Three."),
+    ('He said "stop." Then left. ', ['He said "stop."', "Then left."], ""),
+    ("你好。今天怎么样？还", ["你好。", "今天怎么样？"], "还"),
+    ("v1.2 is out", [], "v1.2 is out"),
+])
+def test_split_sentences(buffer, sentences, rest):
+    assert split_sentences(buffer, 4096) == (sentences, rest)
+
+
+def test_split_sentences_caps_a_long_run_on_sentence():
+    out, rest = split_sentences("aaa bbb ccc ddd eee", 8)
+    assert out == ["aaa bbb", "ccc ddd"] and rest == "eee"
+    assert all(len(s) <= 8 for s in out)
+    assert split_sentences("One. Two. Three", 8, sentences=False) == (["One.", "Two."], "Three")
+    assert split_sentences("One. Two.", 100, sentences=False) == ([], "One. Two.")
+
+
+def test_without_sentence_splitting_input_done_makes_one_utterance():
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "split_sentences": False})
+            await ws.receive_json()
+            for piece in ("First sentence. ", "Second one. ", "Third"):
+                await ws.send_json({"type": "input.text", "text": piece})
+            await ws.send_json({"type": "session.close"})  # flushes the buffer first
+            messages = await read_until(ws, "session.done")
+            await ws.send_json({"type": "input.text", "text": "late"})
+            return messages
+
+    utts = utterances(arun(main()))
+    assert [u[0]["text"] for u in utts] == ["First sentence. Second one. Third"]
+
+
+def test_input_after_session_close_is_refused():
+    async def main():
+        async with ws_session(FakeBackend(frame_delay=0.01)) as ws:
+            await ws.send_json({"type": "input.text", "text": "A longer utterance here."})
+            await ws.send_json({"type": "session.close"})
+            await ws.send_json({"type": "input.text", "text": "more"})
+            return await read_until(ws, "session.done")
+
+    messages = arun(main())
+    errors = [m for m in messages if isinstance(m, dict) and m["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["session_closing"]
+    assert len(utterances(messages)) == 1
+
+
+def test_oversized_message_closes_with_1009():
+    async def main():
+        settings = ServerSettings(max_input_chars=100, max_body_bytes=5000)
+        async with ws_session(FakeBackend(), settings) as ws:
+            await ws.send_json({"type": "input.text", "text": "x" * 6000})
+            msg = await ws.receive()
+            return msg, ws.close_code
+
+    msg, code = arun(main())
+    assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and code == 1009
