@@ -135,9 +135,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
     with torch.device("meta"):
         weights = build_main_module(cfg)
-        c2w = Code2Wav(cfg.code2wav)
     main = _read_tensors(_weight_files(path), lambda k: True)
     assign_strict(weights, main, dtype, f"{path}/model.safetensors")
+    weights.eval().to(device)
+    c2w = load_codec(path, dtype, device, cfg)
+    return LoadedModel(cfg, weights, c2w, tokenizer, path, gen)
+
+
+def load_codec(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", cfg: ModelConfig | None = None) -> Code2Wav:
+    """Load only the codec decoder (``speech_tokenizer/``), strictly."""
+    path = Path(path)
+    cfg = cfg or read_config(path)
+    with torch.device("meta"):
+        c2w = Code2Wav(cfg.code2wav)
     codec_dir = path / "speech_tokenizer"
     codec = _read_tensors(_weight_files(codec_dir), lambda k: not k.startswith(CODEC_UNUSED_PREFIXES))
     if any(not k.startswith("decoder.") for k in codec):
@@ -145,9 +156,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{codec_dir}/model.safetensors: unexpected tensors: {', '.join(bad[:8])}")
     assign_strict(c2w, {k[len("decoder."):]: v for k, v in codec.items()}, dtype,
                   f"{codec_dir}/model.safetensors")
-    weights.eval().to(device)
-    c2w.eval().to(device)
-    return LoadedModel(cfg, weights, c2w, tokenizer, path, gen)
+    return c2w.eval().to(device)
 
 
 # ---------------------------------------------------------------------------- random writer
