@@ -61,6 +61,25 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from omni_stream.models.synthesis import resolve_model_path
+    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+    from omni_stream.server.app import run_server
+    from omni_stream.server.settings import from_args
+    from omni_stream.stages.schedule import ChunkSchedule
+
+    path = resolve_model_path(a.model)
+    settings = PipelineSettings(
+        model_path=str(path), model_name=a.model_name or ("qwen3-tts" if a.model == "default" else path.name),
+        dtype=DTYPES[a.dtype], max_streams=a.max_streams, max_queue=a.max_queue,
+        queue_timeout_s=a.queue_timeout, max_seq_len=a.max_seq_len,
+        schedule=ChunkSchedule(first=a.first_chunk, steady=a.steady_chunk),
+        talker_threads=a.talker_threads, codec_threads=a.codec_threads, device=a.device)
+    backend = PipelineBackend(settings)
+    run_server(backend, a.host, a.port, from_args(a))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-stream", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -91,6 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output wav path")
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)
+    v = sub.add_parser("serve", help="run the streaming HTTP/WebSocket server")
+    v.add_argument("--model", default="default", help="checkpoint folder, or 'default' (embedded)")
+    v.add_argument("--model-name", default=None, help="served model id (default: qwen3-tts)")
+    v.add_argument("--dtype", default="fp32")
+    v.add_argument("--device", default="cpu")
+    v.add_argument("--max-streams", type=int, default=4, help="concurrent streams (talker slots)")
+    v.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot")
+    v.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait")
+    v.add_argument("--max-seq-len", type=int, default=2048, help="talker positions per stream")
+    v.add_argument("--first-chunk", type=int, default=1, help="frames in the first audio chunk")
+    v.add_argument("--steady-chunk", type=int, default=8, help="frames per chunk once ramped up")
+    v.add_argument("--talker-threads", type=int, default=1)
+    v.add_argument("--codec-threads", type=int, default=1)
+    from omni_stream.server.settings import add_arguments
+
+    add_arguments(v)
+    v.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,0 +1,323 @@
+"""The request lifecycle: admission, stage processes, chunk routing, cancellation, recovery.
+
+``PipelineBackend`` implements the server's ``Backend``. It owns two stage processes,
+
+    talker (+ code predictor) --frames ring--> codec (Code2Wav) --audio ring--> this process
+
+plus a control pipe to the talker. A reader thread drains the audio ring and hands each chunk
+to its stream's asyncio queue; a supervisor notices a dead stage within ~0.1 s, fails the
+streams in flight (they get a BackendError, never a hang), and restarts the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncGenerator
+
+import numpy as np
+
+from omni_stream.config import ModelConfig
+from omni_stream.models.checkpoint import read_config
+from omni_stream.models.text_tokenizer import TextTokenizer
+from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
+from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
+from omni_stream.stages.schedule import ChunkSchedule
+from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
+from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
+                                   MsgKind, Ring, Shutdown, StatsReply, cleanup_stale)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    model_path: str
+    model_name: str = "qwen3-tts"
+    dtype: str = "float32"
+    max_streams: int = 4  # talker slots
+    max_seq_len: int = 2048
+    max_queue: int = 16
+    queue_timeout_s: float = 10.0
+    default_max_frames: int = 1500  # 120 s of audio
+    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+    talker_threads: int = 1
+    codec_threads: int = 1
+    device: str = "cpu"
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("max_streams >= 1, max_queue >= 0 and queue_timeout_s > 0 required")
+
+
+class _Stream:
+    __slots__ = ("sid", "queue", "loop", "done")
+
+    def __init__(self, sid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.sid = sid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.done = False
+
+
+class _Pipeline:
+    """One incarnation of the stage processes and rings (replaced whole on a crash)."""
+
+    def __init__(self, s: PipelineSettings) -> None:
+        ctx = mp.get_context("spawn")
+        self.frames = Ring.create("frames", 8 << 20)
+        self.audio = Ring.create("audio", 32 << 20, role="consumer")
+        self.ctrl, child_ctrl = ControlChannel.pair(ctx)
+        spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                         max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device)
+        cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                          threads=s.codec_threads, device=s.device)
+        self.talker = ctx.Process(target=run_talker_stage, name="omni-talker", daemon=True,
+                                  args=(spec, child_ctrl, self.frames.handle("producer")))
+        self.codec = ctx.Process(target=run_codec_stage, name="omni-codec", daemon=True,
+                                 args=(cspec, self.frames.handle("consumer"), self.audio.handle("producer")))
+        self.talker.start()
+        self.codec.start()
+        child_ctrl.close()
+        self.lock = threading.Lock()  # control sends come from the loop thread and the reader
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        msg = self.ctrl.recv(timeout=timeout)
+        if not isinstance(msg, StatsReply):
+            raise RuntimeError(f"talker stage did not start (got {msg!r}); see its log")
+        while time.monotonic() < deadline:
+            m = self.audio.get(timeout=0.5)
+            if m is not None and m.stream_id == READY_STREAM_ID:
+                return
+            if not self.codec.is_alive():
+                break
+        raise RuntimeError("codec stage did not start; see its log")
+
+    def alive(self) -> bool:
+        return self.talker.is_alive() and self.codec.is_alive()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.ctrl.send(msg)
+
+    def close(self) -> None:
+        try:
+            self.send(Shutdown(reason="server closing"))
+        except (ChannelClosed, OSError):
+            pass
+        for p in (self.talker, self.codec):
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=3)
+        self.ctrl.close()
+        for r in (self.frames, self.audio):
+            r.close()
+            r.unlink()
+
+
+class PipelineBackend:
+    """Backend over the multi-process pipeline. See the module docstring."""
+
+    supports_codec_frames = True
+
+    def __init__(self, settings: PipelineSettings) -> None:
+        self.s = settings
+        self.cfg: ModelConfig = read_config(settings.model_path)
+        self.tokenizer = TextTokenizer.from_dir(settings.model_path)
+        self.model_name = settings.model_name
+        self.sample_rate = self.cfg.code2wav.sample_rate
+        self.supports_instructions = self.cfg.supports_instructions
+        self._ids = itertools.count(1)
+        self._streams: dict[int, _Stream] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._waiting = 0
+        self._pipe: _Pipeline | None = None
+        self._reader: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._restarts = 0
+        self._completed = 0
+        self._failed = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ Backend API
+    def voices(self) -> list[str]:
+        return list(self.cfg.talker.speakers)
+
+    def languages(self) -> list[str]:
+        return sorted(k for k in self.cfg.talker.languages if "dialect" not in k)
+
+    def validate(self, job: SpeechJob) -> None:
+        if job.voice is not None and job.voice.lower() not in self.cfg.talker.speakers:
+            raise BackendError(400, "invalid_voice", f"unknown voice '{job.voice}': this model's "
+                               f"voices are {', '.join(self.voices()) or '(none)'}", param="voice")
+        lang = (job.language or "auto").lower()
+        if lang != "auto" and lang not in self.languages():
+            raise BackendError(400, "invalid_language", f"unknown language '{job.language}': "
+                               f"supported are auto, {', '.join(self.languages())}", param="language")
+        if job.instructions and not self.supports_instructions:
+            raise BackendError(400, "instructions_unsupported",
+                               f"this {self.cfg.variant} model ({self.cfg.model_size}) ignores "
+                               "instructions: remove 'instructions'", param="instructions")
+        if job.max_frames is not None and not 1 <= job.max_frames <= self.s.max_seq_len // 2:
+            raise BackendError(400, "invalid_value", f"max_new_tokens must be in [1, "
+                               f"{self.s.max_seq_len // 2}]", param="max_new_tokens")
+        if job.initial_chunk_frames is not None and not 1 <= job.initial_chunk_frames <= 32:
+            raise BackendError(400, "invalid_value", "initial_codec_chunk_frames must be in [1, 32]",
+                               param="initial_codec_chunk_frames")
+
+    def stats(self) -> dict[str, float]:
+        return dict(active_streams=len(self._streams), queue_depth=self._waiting,
+                    slots_total=self.s.max_streams,
+                    slots_free=self._slots._value if self._slots else self.s.max_streams,
+                    stage_restarts=self._restarts, streams_completed=self._completed,
+                    streams_failed=self._failed)
+
+    async def start(self) -> None:
+        cleanup_stale()
+        self._slots = asyncio.Semaphore(self.s.max_streams)
+        await asyncio.get_running_loop().run_in_executor(None, self._start_pipeline)
+
+    def _start_pipeline(self) -> None:
+        pipe = _Pipeline(self.s)
+        try:
+            pipe.wait_ready(self.s.start_timeout_s)
+        except Exception:
+            pipe.close()
+            raise
+        self._pipe = pipe
+        self._stop.clear()
+        self._reader = threading.Thread(target=self._read_loop, args=(pipe,), name="omni-audio-reader",
+                                        daemon=True)
+        self._reader.start()
+        log.info("pipeline ready (talker pid %d, codec pid %d)", pipe.talker.pid, pipe.codec.pid)
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._reader is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 5)
+        if self._pipe is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._pipe.close)
+            self._pipe = None
+        for st in list(self._streams.values()):
+            self._deliver(st, BackendError(503, "shutting_down", "server is shutting down",
+                                           retry_after=5))
+
+    # ------------------------------------------------------------------ stream
+    async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
+        self.validate(job)
+        if self._pipe is None:
+            raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
+        assert self._slots is not None
+        if self._slots.locked():
+            if self._waiting >= self.s.max_queue:
+                raise BackendError(429, "server_busy", f"all {self.s.max_streams} streams busy and "
+                                   f"{self._waiting} queued: retry later", retry_after=2)
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.s.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise BackendError(503, "queue_timeout", f"no stream slot within "
+                               f"{self.s.queue_timeout_s:.0f} s: retry later", retry_after=2) from None
+        finally:
+            self._waiting -= 1
+        sid = next(self._ids)
+        st = _Stream(sid, asyncio.get_running_loop())
+        self._streams[sid] = st
+        pipe = self._pipe
+        try:
+            if pipe is None:
+                raise BackendError(503, "unavailable", "the model pipeline is restarting", retry_after=2)
+            sched = self.s.schedule
+            if job.initial_chunk_frames:
+                sched = ChunkSchedule(first=job.initial_chunk_frames, growth=sched.growth,
+                                      steady=max(sched.steady, job.initial_chunk_frames))
+            seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
+            greedy = job.greedy
+            msg = AddStream(stream_id=sid, seed=seed,
+                            max_frames=job.max_frames or self.s.default_max_frames,
+                            do_sample=not greedy, sub_do_sample=not greedy,
+                            prompt=dict(text=job.text, language=job.language, speaker=job.voice,
+                                        instructions=job.instructions if self.supports_instructions else None,
+                                        chunk=sched.as_list(), stream_codes=job.stream_codes))
+            pipe.send(msg)
+            total = 0
+            while True:
+                item = await st.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                m = item
+                if m.flags & Flags.ERROR:
+                    text = bytes(m.payload).decode(errors="replace") if m.payload is not None else ""
+                    raise BackendError(500, "synthesis_failed", text or "synthesis failed")
+                n = 0
+                chunk_pcm = chunk_codes = None
+                if m.kind == MsgKind.PCM:
+                    chunk_pcm = m.payload
+                    n = len(chunk_pcm) // self.cfg.code2wav.samples_per_frame
+                elif m.kind == MsgKind.CODES:
+                    chunk_codes = m.payload
+                    n = len(chunk_codes)
+                total += n
+                end = bool(m.flags & Flags.END)
+                if end:
+                    st.done = True
+                    self._completed += 1
+                    yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n, final=True,
+                                     input_tokens=int(m.aux), output_frames=total)
+                    return
+                yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n)
+        except BackendError:
+            self._failed += 1
+            raise
+        finally:
+            self._streams.pop(sid, None)
+            if not st.done and self._pipe is pipe and pipe is not None:
+                try:
+                    pipe.send(CancelStream(stream_id=sid, reason="client gone"))
+                except (ChannelClosed, OSError):
+                    pass
+            self._slots.release()
+
+    # ------------------------------------------------------------------ reader / supervisor
+    def _deliver(self, st: _Stream, item) -> None:
+        st.loop.call_soon_threadsafe(st.queue.put_nowait, item)
+
+    def _read_loop(self, pipe: _Pipeline) -> None:
+        last_check = time.monotonic()
+        while not self._stop.is_set():
+            m = pipe.audio.get(timeout=0.05)
+            if m is not None:
+                st = self._streams.get(m.stream_id)
+                if st is not None:
+                    self._deliver(st, m)
+            now = time.monotonic()
+            if now - last_check >= 0.1:
+                last_check = now
+                if not pipe.alive():
+                    self._recover(pipe)
+                    return
+
+    def _recover(self, pipe: _Pipeline) -> None:
+        dead = [p.name for p in (pipe.talker, pipe.codec) if not p.is_alive()]
+        log.error("stage process died (%s): failing %d streams and restarting", ", ".join(dead),
+                  len(self._streams))
+        self._pipe = None
+        err = BackendError(500, "stage_failed", f"a pipeline stage ({', '.join(dead)}) crashed; "
+                           "the stream was aborted, retry the request")
+        for st in list(self._streams.values()):
+            self._deliver(st, err)
+        pipe.close()
+        self._restarts += 1
+        try:
+            self._start_pipeline()
+        except Exception as e:  # keep serving errors rather than dying
+            log.error("pipeline restart failed: %s", e)

@@ -1,0 +1,184 @@
+"""Code2Wav stage: stateful streaming decode of every stream's frames, batched across streams.
+
+Input: the talker's ``frames`` ring (EVENT FIRST with the stream's chunk schedule, CODES frames,
+END / ERROR / cancel events). Output: the ``audio`` ring to the server: PCM chunks (float32,
+n_frames * 1920 samples) or, for codes-only streams, the frames themselves; END on the last
+chunk, ERROR|END (payload = utf-8 message) on failure. Each stream owns a decoder slot from its
+FIRST event to its END; streams whose next chunk has the same length are decoded in one batch.
+When the stage falls behind, a stream's whole backlog is decoded in one call (never more than
+``max_chunk`` frames), which both catches up and amortises the per-call cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omni_stream.models.code2wav import Code2Wav, Code2WavStream
+from omni_stream.stages.schedule import ChunkSchedule
+from omni_stream.transport import Flags, Message, MsgKind, Ring
+
+log = logging.getLogger(__name__)
+
+READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the audio ring
+
+
+@dataclass
+class _Stream:
+    slot: int
+    schedule: ChunkSchedule
+    codes_only: bool
+    input_tokens: int
+    buf: list[np.ndarray] = field(default_factory=list)
+    chunks: int = 0
+    frames_out: int = 0
+    ended: bool = False
+    first_ns: int = 0
+
+
+class CodecStage:
+    def __init__(self, model: Code2Wav, max_slots: int, out: Ring, max_chunk: int = 32) -> None:
+        self.dec = Code2WavStream(model, max_slots)
+        self.spf = model.samples_per_frame
+        self.out = out
+        self.max_chunk = max_chunk
+        self.free = list(range(max_slots))
+        self.streams: dict[int, _Stream] = {}
+        self.waiting: dict[int, list[Message]] = {}
+        self.decode_s = 0.0
+        self.decoded_frames = 0
+        self.calls = 0
+
+    def on_message(self, m: Message) -> None:
+        sid = m.stream_id
+        if m.kind == MsgKind.EVENT and m.flags & Flags.FIRST:
+            info = m.payload.tolist()
+            if not self.free:  # cannot happen while codec slots >= talker slots
+                self._error(sid, "codec stage has no free decoder slot")
+                return
+            slot = self.free.pop(0)
+            self.dec.reset(slot)
+            self.streams[sid] = _Stream(slot, ChunkSchedule.from_list(info[:3]), bool(info[3]),
+                                        int(info[4]), first_ns=m.enqueue_ns)
+            return
+        st = self.streams.get(sid)
+        if m.kind == MsgKind.EVENT:
+            if m.flags & Flags.ERROR:
+                self.out.put(m.payload, kind=MsgKind.EVENT, stream_id=sid,
+                             flags=Flags.ERROR | Flags.END, timeout=5.0)
+            elif m.flags & Flags.END and m.aux == 0 and st is None:
+                # ended before any frame (eos first): an empty final chunk
+                self.out.put(None, kind=MsgKind.EVENT, stream_id=sid, flags=Flags.END, timeout=5.0)
+            elif m.flags & Flags.END and st is not None and m.aux != 0:
+                pass  # cancelled: drop silently below
+            if st is not None:
+                self._drop(sid)
+            return
+        if st is None:
+            log.warning("frame for unknown stream %d dropped", sid)
+            return
+        st.buf.append(m.payload)
+        if m.flags & Flags.END:
+            st.ended = True
+
+    def _error(self, sid: int, text: str) -> None:
+        self.out.put(np.frombuffer(text.encode(), dtype=np.uint8).copy(), kind=MsgKind.EVENT,
+                     stream_id=sid, flags=Flags.ERROR | Flags.END, timeout=5.0)
+
+    def _drop(self, sid: int) -> None:
+        st = self.streams.pop(sid)
+        self.free.append(st.slot)
+        self.free.sort()
+
+    def _ready(self) -> list[tuple[int, _Stream, int]]:
+        out = []
+        for sid, st in self.streams.items():
+            have = len(st.buf)
+            if not have:
+                continue
+            want = st.schedule.size(st.chunks)
+            if have >= want or st.ended:
+                n = min(have, self.max_chunk) if have >= want else have
+                out.append((sid, st, n))
+        return out
+
+    @torch.inference_mode()
+    def iterate(self) -> bool:
+        """Decode every stream that has a full chunk (or its tail). True if it did work."""
+        ready = self._ready()
+        if not ready:
+            return False
+        by_len: dict[int, list[tuple[int, _Stream]]] = {}
+        for sid, st, n in ready:
+            if st.codes_only:
+                self._emit(sid, st, n, None)
+            else:
+                by_len.setdefault(n, []).append((sid, st))
+        for n, group in by_len.items():
+            codes = np.stack([np.concatenate(st.buf[:n], axis=0).T for _, st in group])  # [k,16,n]
+            t0 = time.perf_counter()
+            pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
+            pcm = pcm.float().cpu().numpy()
+            self.decode_s += time.perf_counter() - t0
+            self.decoded_frames += n * len(group)
+            self.calls += 1
+            for i, (sid, st) in enumerate(group):
+                self._emit(sid, st, n, pcm[i])
+        return True
+
+    def _emit(self, sid: int, st: _Stream, n: int, pcm: np.ndarray | None) -> None:
+        frames = np.concatenate(st.buf[:n], axis=0)
+        del st.buf[:n]
+        st.chunks += 1
+        st.frames_out += n
+        last = st.ended and not st.buf
+        flags = Flags.END if last else 0
+        if st.chunks == 1:
+            flags |= Flags.FIRST
+        if pcm is None:
+            self.out.put(frames, kind=MsgKind.CODES, stream_id=sid, seq=st.chunks - 1, flags=flags,
+                         aux=st.input_tokens, timeout=5.0)
+        else:
+            self.out.put(pcm, kind=MsgKind.PCM, stream_id=sid, seq=st.chunks - 1, flags=flags,
+                         aux=st.input_tokens, timeout=5.0)
+        if last:
+            self._drop(sid)
+
+    def stats(self) -> dict[str, float]:
+        return dict(streams=len(self.streams), free_slots=len(self.free),
+                    decode_ms_per_frame=1e3 * self.decode_s / max(self.decoded_frames, 1),
+                    decode_calls=self.calls)
+
+
+def run_codec_stage(spec, frames_handle, audio_handle) -> None:
+    """Process entry point: consume ``frames``, produce ``audio``."""
+    from omni_stream.models.checkpoint import load_codec
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s codec: %(message)s")
+    torch.set_num_threads(spec.threads)
+    inp = frames_handle.open()
+    out = audio_handle.open()
+    model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    stage = CodecStage(model, spec.max_slots, out)
+    out.put(None, kind=MsgKind.EVENT, stream_id=READY_STREAM_ID, timeout=5.0)
+    try:
+        did = False
+        while _parent_alive():
+            m = inp.get(timeout=0 if did else 0.05)  # an arriving frame wakes the wait at once
+            while m is not None:
+                stage.on_message(m)
+                m = inp.get(timeout=0)
+            did = stage.iterate()
+    finally:
+        inp.close()
+        out.close()
+
+
+def _parent_alive() -> bool:
+    import os
+
+    return os.getppid() != 1

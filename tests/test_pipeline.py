@@ -1,0 +1,180 @@
+"""End to end over a real socket: server + talker and codec stage processes on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+from omni_stream.server.testing import running_server, run_async
+from omni_stream.stages.schedule import ChunkSchedule
+
+pytestmark = pytest.mark.timeout(600)
+
+TEXT = "Hello world, this is a streaming test of the whole pipeline."
+
+
+def _shm_segments(prefix: str = "omni-stream-") -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)} if os.path.isdir("/dev/shm") else set()
+
+
+def _settings(ck, **kw) -> PipelineSettings:
+    base = dict(model_path=str(ck), max_streams=4, max_seq_len=512, max_queue=16,
+                queue_timeout_s=60, schedule=ChunkSchedule(first=1, steady=4))
+    base.update(kw)
+    return PipelineSettings(**base)
+
+
+def _synth_reference(ck, text, voice, seed, max_frames):
+    from omni_stream.models.prompt import PromptRequest
+    from omni_stream.models.sampling import SamplingParams
+    from omni_stream.models.synthesis import Synthesizer
+
+    s = Synthesizer.from_path(ck)
+    return s.synthesize(PromptRequest(text=text, language="english", speaker=voice),
+                        SamplingParams(), seed=seed, max_frames=max_frames)
+
+
+async def _speech(session, url, **body):
+    body.setdefault("model", "qwen3-tts")
+    body.setdefault("voice", "ryan")
+    body.setdefault("language", "english")
+    async with session.post(url + "/v1/audio/speech", json=body) as r:
+        data = await r.read()
+        return r.status, r.headers, data
+
+
+def test_streamed_audio_equals_offline_synthesis(tiny_ckpt):
+    frames = 24
+    ref = _synth_reference(tiny_ckpt, TEXT, "ryan", 1234, frames)
+    nframes = len(ref.codes)
+
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            st, _, pcm = await _speech(s, url, input=TEXT, response_format="pcm", seed=1234,
+                                       max_new_tokens=frames)
+            assert st == 200
+            st2, _, pcm2 = await _speech(s, url, input=TEXT, response_format="pcm", seed=1234,
+                                         max_new_tokens=frames)
+            # SSE
+            body = dict(model="qwen3-tts", input=TEXT, voice="ryan", language="english", seed=1234,
+                        max_new_tokens=frames, response_format="pcm", stream_format="sse")
+            async with s.post(url + "/v1/audio/speech", json=body) as r:
+                assert r.status == 200
+                raw = (await r.read()).decode()
+            # codes over the WebSocket (client-side decoding mode)
+            return pcm, pcm2, raw
+
+    pcm, pcm2, raw = run_async(main(), timeout=300)
+    audio = np.frombuffer(pcm, dtype="<i2")
+    assert len(audio) == nframes * 1920
+    expected = np.clip(ref.audio, -1, 1) * 32767.0
+    assert np.abs(audio.astype(np.float64) - expected).max() <= 1.0 + 1e-6
+    assert pcm == pcm2  # same seeded request on an idle server: identical every time
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    done = [e for e in events if e["type"] == "speech.audio.done"]
+    sse_pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert sse_pcm == pcm and len(done) == 1 and done[0]["usage"]["output_tokens"] > 0
+
+
+def test_concurrency_cancellation_and_cleanup(tiny_ckpt):
+    before = _shm_segments()
+
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt, max_streams=4))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            lengths = [6 + i for i in range(8)]
+            results = await asyncio.gather(*[
+                _speech(s, url, input=f"{TEXT} Number {i}.", response_format="pcm", seed=i,
+                        max_new_tokens=n) for i, n in enumerate(lengths)])
+            for (st, _, data), n in zip(results, lengths):
+                assert st == 200
+                # a stream may end early on eos, never late, and always on a frame boundary
+                assert len(data) % (1920 * 2) == 0 and 0 < len(data) <= n * 1920 * 2
+            segs_running = _shm_segments() - before
+            assert len(segs_running) >= 2  # the server's rings exist while it runs
+            # disconnect mid-stream: the slot comes back
+            async with s.post(url + "/v1/audio/speech", json=dict(
+                    model="qwen3-tts", input=TEXT * 3, voice="ryan", response_format="pcm",
+                    max_new_tokens=250)) as r:
+                assert r.status == 200
+                await r.content.readexactly(1920 * 2)
+                assert backend.stats()["active_streams"] == 1
+            for _ in range(100):
+                if backend.stats()["active_streams"] == 0 and backend.stats()["slots_free"] == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert backend.stats()["active_streams"] == 0 and backend.stats()["slots_free"] == 4
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            assert "omni_stream_backend_slots_free 4.0" in text
+            return segs_running
+
+    segs = run_async(main(), timeout=400)
+    time.sleep(0.5)
+    assert not (segs & _shm_segments()), "a shared-memory segment outlived the server"
+
+
+def test_stage_crash_fails_streams_fast_and_recovers(tiny_ckpt):
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/audio/speech", json=dict(
+                    model="qwen3-tts", input=TEXT * 3, voice="ryan", response_format="pcm",
+                    max_new_tokens=250)) as r:
+                assert r.status == 200
+                await r.content.readexactly(1920 * 2)
+                os.kill(backend._pipe.talker.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    while await r.content.read(65536):
+                        pass
+                dt = time.monotonic() - t0
+            assert dt < 1.0, f"stream took {dt:.2f} s to fail after the stage died"
+            # the server stays up and the next request succeeds (after the restart)
+            for _ in range(200):
+                if backend._pipe is not None:
+                    break
+                await asyncio.sleep(0.1)
+            st, _, data = await _speech(s, url, input="After the crash.", response_format="pcm",
+                                        max_new_tokens=5)
+            assert st == 200 and len(data) > 0
+            assert backend.stats()["stage_restarts"] == 1
+
+    run_async(main(), timeout=300)
+
+
+def test_bad_input_does_not_disturb_running_stream(tiny_ckpt):
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            long_req = asyncio.create_task(_speech(s, url, input=TEXT, response_format="pcm",
+                                                   seed=5, max_new_tokens=30))
+            await asyncio.sleep(0.2)
+            bad = [
+                dict(input=""), dict(input="hi", voice="nobody"), dict(input="hi", language="klingon"),
+                dict(input="hi", response_format="ogg-vorbis"), dict(input="hi", model="other"),
+                dict(input=123), dict(input="x" * 5000),
+            ]
+            for b in bad:
+                st, _, body = await _speech(s, url, **b)
+                assert 400 <= st < 500, (b, st)
+                assert "error" in json.loads(body)
+            async with s.post(url + "/v1/audio/speech", data=b"{not json") as r:
+                assert r.status == 400
+            st, _, data = await long_req
+            assert st == 200
+            ref = await _speech(s, url, input=TEXT, response_format="pcm", seed=5, max_new_tokens=30)
+            assert data == ref[2]
+
+    run_async(main(), timeout=300)
