@@ -1,0 +1,247 @@
+"""Code2Wav on a tiny config: streamed == one-pass at any chunking, per-slot state, weights.
+
+The tiny config keeps the released upsampling (1920 samples per frame) and the 72-frame attention
+window; sequences are longer than 150 frames so the window slides. Layer scales and ConvNeXt gains
+are raised from their init values so every streamed path (attention window, ConvNeXt tails)
+visibly shapes the output: a wrong tail would show up far above the 1e-5 tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from omni_stream.config import Code2WavConfig
+from omni_stream.models.code2wav import Code2Wav, Code2WavStream, random_code2wav_state_dict
+
+TINY = Code2WavConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=8, latent_dim=32,
+                      codebook_dim=16, codebook_size=64, decoder_dim=64, sliding_window=72)
+SPF = 1920
+FRAMES = 160
+TOL = 1e-5
+
+
+def _codes(seed: int, batch: int = 1, frames: int = FRAMES) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY.codebook_size, (batch, TINY.num_quantizers, frames), generator=g)
+
+
+def _build(gemm_min_channels: int = 768) -> Code2Wav:
+    m = Code2Wav(TINY, gemm_min_channels=gemm_min_channels).eval()
+    m.load_state_dict(random_code2wav_state_dict(TINY, seed=0, layer_scale=0.3, convnext_gamma=0.3),
+                      strict=True)
+    return m
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model() -> Code2Wav:
+    return _build()
+
+
+@pytest.fixture(scope="module")
+def codes() -> torch.Tensor:
+    return _codes(1, batch=2)  # two different streams
+
+
+@pytest.fixture(scope="module")
+def ref(model: Code2Wav, codes: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(codes)  # [2, FRAMES * SPF]
+
+
+def _splits(chunking: str) -> list[int]:
+    if chunking == "random":
+        rng = random.Random(7)
+        out: list[int] = []
+        while sum(out) < FRAMES:
+            out.append(rng.choice([1, 1, 2, 3, 5, 8, 13, 40, 75]))
+        out[-1] -= sum(out) - FRAMES
+        return out
+    n = int(chunking)
+    return [min(n, FRAMES - a) for a in range(0, FRAMES, n)]
+
+
+def _stream(model: Code2Wav, codes: torch.Tensor, splits: list[int], slots=(2, 0),
+            max_slots: int = 3) -> torch.Tensor:
+    s = Code2WavStream(model, max_slots)
+    outs, a = [], 0
+    for n in splits:
+        y = s.decode(list(slots), codes[:, :, a:a + n])
+        assert y.shape == (codes.shape[0], n * SPF)
+        outs.append(y)
+        a += n
+    return torch.cat(outs, dim=-1)
+
+
+def test_config_keeps_released_upsampling(model: Code2Wav, ref: torch.Tensor) -> None:
+    assert model.samples_per_frame == SPF
+    assert ref.shape == (2, FRAMES * SPF)
+    assert ref.abs().max() <= 1.0
+
+
+@pytest.mark.parametrize("chunking", ["1", "2", "3", "25", "random"])
+def test_streamed_equals_one_pass(model, codes, ref, chunking) -> None:
+    out = _stream(model, codes, _splits(chunking))
+    assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("chunking", ["1", "random"])
+def test_streamed_equals_one_pass_all_gemm_kernels(codes, ref, chunking) -> None:
+    """The GEMM streaming kernels (used for the wide layers at real dims) on every layer."""
+    out = _stream(_build(gemm_min_channels=0), codes, _splits(chunking))
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_slots_with_different_histories_share_one_batch(model, ref, codes) -> None:
+    s = Code2WavStream(model, max_slots=3)
+    a = s.decode([0], codes[0:1, :, :100])
+    b = s.decode([1], codes[1:2, :, :37])
+    # one call: slot 1 (frame 37..) and slot 0 (frame 100..), rows in that order
+    both = s.decode([1, 0], torch.stack([codes[1, :, 37:50], codes[0, :, 100:113]]))
+    assert (a - ref[0:1, :100 * SPF]).abs().max() <= TOL
+    assert (b - ref[1:2, :37 * SPF]).abs().max() <= TOL
+    assert (both[0] - ref[1, 37 * SPF:50 * SPF]).abs().max() <= TOL
+    assert (both[1] - ref[0, 100 * SPF:113 * SPF]).abs().max() <= TOL
+    assert s.state.pos.tolist() == [113, 50, 0]
+    assert all(t[2].abs().max() == 0 for t in (*s.state.tails, *s.state.keys, *s.state.values))
+
+
+def test_reset_gives_a_fresh_stream(model, ref, codes) -> None:
+    s = Code2WavStream(model, max_slots=2)
+    s.decode([0, 1], codes[:, :, :90])
+    s.reset(0)
+    fresh = torch.cat([s.decode([0], codes[1:2, :, a:a + 30]) for a in range(0, FRAMES, 30)], -1)
+    assert (fresh - ref[1:2]).abs().max() <= TOL
+    rest = s.decode([1], codes[1:2, :, 90:FRAMES])  # slot 1 was not disturbed by the reset
+    assert (rest - ref[1:2, 90 * SPF:]).abs().max() <= TOL
+
+
+def test_attention_window_is_72_frames_including_self(model) -> None:
+    """HF sliding window: query i sees keys j with i - 72 < j <= i; 2 layers reach back 142."""
+    tr = model.pre_transformer
+    x = torch.randn(1, 150, TINY.latent_dim, generator=torch.Generator().manual_seed(3))
+    x2 = x.clone()
+    x2[:, 0] += 1.0
+    with torch.no_grad():
+        d = (tr(x2) - tr(x)).abs().amax(dim=-1)[0]  # [150]
+    assert (d[:143] > 0).all()
+    assert (d[143:] == 0).all()
+
+
+def test_state_layout(model) -> None:
+    st = model.new_state(5)
+    w = TINY.sliding_window
+    assert st.pos.shape == (5,) and st.pos.dtype == torch.long
+    assert len(st.keys) == len(st.values) == TINY.num_hidden_layers
+    assert st.keys[0].shape == (5, TINY.num_key_value_heads, w - 1, TINY.head_dim)
+    # pre_conv (2) + 2 ConvNeXt (6) + decoder.0 (6) + 4 blocks x (prev column + 3 dilated) + out (6)
+    lengths = sorted(t.shape[-1] for t in st.tails)
+    assert lengths == sorted([2, 6, 6, 6, 6] + [1, 6, 18, 54] * 4)
+
+
+def test_random_state_dict_is_audible_and_loads_strictly() -> None:
+    sd = random_code2wav_state_dict(TINY, seed=5)
+    m = Code2Wav(TINY).eval()
+    assert set(sd) == set(m.state_dict())
+    assert not any(k.startswith("decoder.decoder.") or k.startswith("decoder.quantizer") for k in sd)
+    m.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        wav = m(_codes(2, frames=40))
+    rms = wav.pow(2).mean().sqrt().item()
+    assert 0.05 < rms < 0.6, rms
+    assert (wav.abs() >= 1).float().mean() < 0.01  # rarely clipped
+    again = random_code2wav_state_dict(TINY, seed=5)
+    other = random_code2wav_state_dict(TINY, seed=6)
+    k = "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum"
+    assert torch.equal(sd[k], again[k]) and not torch.equal(sd[k], other[k])
+
+
+def test_parameter_names_follow_the_official_checkpoint() -> None:
+    with torch.device("meta"):
+        names = set(Code2Wav(Code2WavConfig()).state_dict())
+    expected = [
+        "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum",
+        "quantizer.rvq_first.vq.layers.0._codebook.cluster_usage",
+        "quantizer.rvq_first.output_proj.weight", "quantizer.rvq_first.input_proj.weight",
+        "quantizer.rvq_rest.vq.layers.14._codebook.embedding_sum",
+        "pre_conv.conv.weight", "pre_transformer.input_proj.weight",
+        "pre_transformer.layers.0.self_attn.q_proj.weight",
+        "pre_transformer.layers.7.self_attn_layer_scale.scale", "pre_transformer.norm.weight",
+        "upsample.0.0.conv.weight", "upsample.0.1.dwconv.conv.weight", "upsample.0.1.gamma",
+        "decoder.0.conv.weight", "decoder.1.block.0.alpha", "decoder.1.block.1.conv.weight",
+        "decoder.1.block.2.conv1.conv.weight", "decoder.4.block.4.conv2.conv.bias",
+        "decoder.5.alpha", "decoder.6.conv.weight",
+    ]
+    assert not [k for k in expected if k not in names]
+    assert len(names) == 271  # the released decoder's state_dict size
+
+
+def test_codebook_embedding_is_sum_over_usage(model, ref, codes) -> None:
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in ("quantizer.rvq_first.vq.layers.0._codebook", "quantizer.rvq_rest.vq.layers.3._codebook"):
+        sd[f"{k}.embedding_sum"] *= 4.0
+        sd[f"{k}.cluster_usage"] *= 4.0
+    m = Code2Wav(TINY).eval()
+    m.load_state_dict(sd)
+    with torch.no_grad():
+        out = m(codes[:, :, :20])
+    assert (out - ref[:, :20 * SPF]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(1, 15, 4, dtype=torch.long), "16 codebooks"),
+    (torch.zeros(1, 16, dtype=torch.long), "16 codebooks"),
+    (torch.full((1, 16, 4), 64), r"\[0, 64\).*codebook_size"),
+    (torch.full((1, 16, 4), -1), r"\[0, 64\)"),
+    (torch.zeros(1, 16, 4), "integer"),
+    (torch.zeros(1, 16, 0, dtype=torch.long), "at least one"),
+])
+def test_bad_codes_raise_value_error(model, bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        model(bad)
+    with pytest.raises(ValueError, match=match):
+        Code2WavStream(model, 1).decode([0], bad)
+
+
+def test_bad_slots_raise_value_error(model) -> None:
+    s = Code2WavStream(model, 2)
+    ok = torch.zeros(2, 16, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="2 slots for 1 rows"):
+        s.decode([0, 1], ok[:1])
+    with pytest.raises(ValueError, match="distinct"):
+        s.decode([1, 1], ok)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        s.decode([0, 2], ok)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        s.reset(3)
+    assert s.state.pos.tolist() == [0, 0]  # nothing was decoded
+
+
+def test_bf16_under_inference_mode(model, ref, codes) -> None:
+    mb = _build().to(torch.bfloat16)
+    with torch.inference_mode():
+        s = Code2WavStream(mb, 2)
+        assert s.state.keys[0].dtype == torch.bfloat16
+        out = torch.cat([s.decode([0, 1], codes[:, :, a:a + 16]) for a in range(0, 96, 16)], -1)
+    want = ref[:, :96 * SPF]
+    rel = ((out.float() - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+    assert out.dtype == torch.bfloat16 and rel < 0.15, rel
+
+
+def test_state_made_outside_inference_mode_updates_inside(model, ref, codes) -> None:
+    s = Code2WavStream(model, 2)
+    with torch.inference_mode():
+        a = s.decode([0, 1], codes[:, :, :10])
+    b = s.decode([0, 1], codes[:, :, 10:20])
+    assert (torch.cat([a, b], -1) - ref[:, :20 * SPF]).abs().max() <= TOL
