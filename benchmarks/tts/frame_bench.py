@@ -111,7 +111,8 @@ def official(args: argparse.Namespace, dtype: str, threads: int) -> dict | None:
         out = Path(td) / "out.npz"
         cmd = [str(py), str(ROOT / "tests" / "reference" / "official_runner.py"), "generate",
                "--model", str(args.model), "--requests", str(rq), "--out", str(out),
-               "--threads", str(threads), "--dtype", dtype, "--attn", "sdpa", "--decode"]
+               "--threads", str(threads), "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+               "--attn", "sdpa", "--decode"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             print(r.stderr[-2000:], file=sys.stderr)

@@ -116,10 +116,10 @@ def _speech_dir(path: Path) -> Path:
     return path / "speech_tokenizer" if (path / "speech_tokenizer" / "config.json").is_file() else path
 
 
-def load_wrapper(model_dir: str, attn: str | None):
+def load_wrapper(model_dir: str, attn: str | None, dtype: str = "float32"):
     from qwen_tts import Qwen3TTSModel
 
-    kwargs = dict(dtype=torch.float32)
+    kwargs = dict(dtype=getattr(torch, dtype))
     if attn:
         kwargs["attn_implementation"] = attn
     t0 = time.perf_counter()
@@ -199,7 +199,7 @@ def cmd_generate(args) -> int:
         rid = str(req["id"])
         attn = req.get("attn_implementation", args.attn)
         if attn not in wrappers:
-            wrappers[attn] = load_wrapper(args.model, attn)
+            wrappers[attn] = load_wrapper(args.model, attn, args.dtype)
             meta["attn"][str(attn)] = attn_report(wrappers[attn])
             if args.warmup:
                 _warmup(wrappers[attn], req)
@@ -276,7 +276,9 @@ def cmd_generate(args) -> int:
         rmeta.update(frames=frames, generate_s=dt)
         log(f"{rid}: {frames} frames in {dt:.2f} s ({1000 * dt / max(frames, 1):.1f} ms/frame)")
         if args.decode and frames > 0:
+            t0 = time.perf_counter()
             wavs, sr = m.speech_tokenizer.decode([{"audio_codes": codes_list[0]}])
+            out[f"decode_ms_per_frame_{rid}"] = np.array(1000.0 * (time.perf_counter() - t0) / frames)
             out[f"wav_{rid}"] = np.asarray(wavs[0], dtype=np.float32)
             rmeta["sample_rate"] = sr
         meta["requests"][rid] = rmeta
@@ -657,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--attn", default="eager",
                    help="attn_implementation passed to from_pretrained (default eager)")
     g.add_argument("--decode", action="store_true", help="also decode each request's codes")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the official model is loaded in (parity: float32)")
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--allow-key-mismatch", action="store_true",
                    help="run even if stored tensors do not match the official modules")

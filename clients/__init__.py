@@ -1,0 +1,1 @@
+"""omni-stream clients: a streaming Python client and its playback model."""

@@ -1,0 +1,161 @@
+"""``omni-stream-client``: stream speech from an omni-stream (or any OpenAI-compatible) server.
+
+Writes a wav (``--out``) or plays through sounddevice, and prints time to first audio, real-time
+factor and the underruns a real-time player would have had.
+
+    omni-stream-client --url http://127.0.0.1:8000 --text "Hello there." --voice ryan --out a.wav
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clients.playback import PlaybackReport, simulate_playback
+
+SAMPLE_RATE = 24000
+BACKENDS = ("server", "torch", "executorch")
+
+
+class ClientError(RuntimeError):
+    """A failure the user can act on; the message says what to do."""
+
+
+@dataclass
+class StreamResult:
+    pcm: np.ndarray  # int16 mono
+    ttfa_s: float
+    total_s: float
+    arrivals: list[float] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+
+    @property
+    def audio_s(self) -> float:
+        return len(self.pcm) / SAMPLE_RATE
+
+    @property
+    def rtf(self) -> float:
+        return self.total_s / max(self.audio_s, 1e-9)
+
+    def playback(self, prebuffer_s: float = 0.0) -> PlaybackReport:
+        return simulate_playback(self.arrivals, self.durations, prebuffer_s)
+
+
+async def stream_speech(url: str, text: str, voice: str | None = None, language: str = "auto",
+                        seed: int | None = None, model: str | None = None,
+                        api_key: str | None = None, timeout: float = 120.0,
+                        extra: dict | None = None, on_chunk=None) -> StreamResult:
+    """POST /v1/audio/speech with response_format=pcm and collect the stream with timings."""
+    import aiohttp
+
+    body = {"input": text, "response_format": "pcm"}
+    if model:
+        body["model"] = model
+    if voice:
+        body["voice"] = voice
+    if language:
+        body["language"] = language
+    if seed is not None:
+        body["seed"] = seed
+    body.update(extra or {})
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    chunks: list[bytes] = []
+    arrivals: list[float] = []
+    durations: list[float] = []
+    pending = b""
+    t0 = time.monotonic()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+            async with s.post(url.rstrip("/") + "/v1/audio/speech", json=body, headers=headers) as r:
+                if r.status != 200:
+                    try:
+                        msg = (await r.json())["error"]["message"]
+                    except (ValueError, KeyError, aiohttp.ContentTypeError):
+                        msg = (await r.text())[:300]
+                    raise ClientError(f"server answered {r.status}: {msg}")
+                async for data in r.content.iter_any():
+                    now = time.monotonic()
+                    data = pending + data
+                    cut = len(data) - len(data) % 2
+                    data, pending = data[:cut], data[cut:]
+                    if not data:
+                        continue
+                    chunks.append(data)
+                    arrivals.append(now)
+                    durations.append(len(data) / 2 / SAMPLE_RATE)
+                    if on_chunk is not None:
+                        on_chunk(np.frombuffer(data, dtype="<i2"))
+    except aiohttp.ClientConnectorError as e:
+        raise ClientError(f"cannot reach {url}: {e}; is `omni-stream serve` running?") from e
+    except aiohttp.ClientPayloadError as e:
+        raise ClientError(f"the stream broke off after {sum(map(len, chunks)) // 2} samples: {e}") from e
+    if not chunks:
+        raise ClientError("the server sent no audio")
+    t_end = time.monotonic()
+    pcm = np.frombuffer(b"".join(chunks), dtype="<i2")
+    return StreamResult(pcm, arrivals[0] - t0, t_end - t0, arrivals, durations)
+
+
+def _player():
+    try:
+        import sounddevice as sd
+    except (ImportError, OSError) as e:
+        raise ClientError(f"playback needs sounddevice and PortAudio ({e}): "
+                          "`pip install sounddevice` and `apt-get install libportaudio2`, "
+                          "or pass --out FILE.wav") from e
+    stream = sd.OutputStream(samplerate=SAMPLE_RATE, channels=1, dtype="int16")
+    stream.start()
+    return stream
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni-stream-client", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--voice", default=None)
+    ap.add_argument("--language", default="auto")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--out", default=None, help="write a wav instead of playing")
+    ap.add_argument("--prebuffer", type=float, default=0.0, help="player start-up buffer (s)")
+    ap.add_argument("--decoder-backend", choices=BACKENDS, default="server",
+                    help="where Code2Wav runs: on the server (PCM over the wire) or here")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    a = ap.parse_args(argv)
+    try:
+        if a.decoder_backend != "server":
+            raise ClientError(f"--decoder-backend {a.decoder_backend} is not available in this "
+                              "version: use --decoder-backend server")
+        player = None if a.out else _player()
+        cb = (lambda x: player.write(x.reshape(-1, 1))) if player is not None else None
+        res = asyncio.run(stream_speech(a.url, a.text, a.voice, a.language, a.seed, a.model,
+                                        a.api_key, on_chunk=cb))
+        if a.out:
+            import soundfile as sf
+
+            sf.write(a.out, res.pcm, SAMPLE_RATE, subtype="PCM_16")
+        pb = res.playback(a.prebuffer)
+        fig = dict(ttfa_ms=round(res.ttfa_s * 1e3, 1), audio_s=round(res.audio_s, 3),
+                   rtf=round(res.rtf, 3), underruns=pb.underruns,
+                   underrun_s=round(pb.underrun_s, 3), max_gap_ms=round(pb.max_gap_s * 1e3, 1),
+                   chunks=len(res.arrivals))
+        print(json.dumps(fig) if a.json else
+              f"TTFA {fig['ttfa_ms']} ms | {fig['audio_s']} s audio | RTF {fig['rtf']} | "
+              f"underruns {fig['underruns']} ({fig['underrun_s']} s) | max gap {fig['max_gap_ms']} ms"
+              + (f" -> {a.out}" if a.out else ""))
+        return 0
+    except ClientError as e:
+        print(f"omni-stream-client: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Streaming client and the real-time playback model."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from clients.playback import simulate_playback
+from clients.stream_client import main as client_main
+from omni_stream.server.fake_backend import FakeBackend
+
+
+def test_playback_on_time_has_no_underrun():
+    r = simulate_playback([0.0, 0.05, 0.1, 0.2], [0.08, 0.16, 0.32, 0.64])
+    assert r.underruns == 0 and r.underrun_s == 0.0
+    assert r.max_gap_s == pytest.approx(0.1) and r.played_s == pytest.approx(1.2)
+
+
+def test_playback_late_chunk_counts_once_and_stalls():
+    # second chunk needed at 0.08, arrives at 0.3: one stall of 0.22 s; the third is then on time
+    r = simulate_playback([0.0, 0.3, 0.35], [0.08, 0.08, 0.08])
+    assert r.underruns == 1 and r.underrun_s == pytest.approx(0.22)
+    # a start-up buffer absorbs the same lateness
+    assert simulate_playback([0.0, 0.3, 0.35], [0.08, 0.08, 0.08], prebuffer_s=0.25).underruns == 0
+    with pytest.raises(ValueError):
+        simulate_playback([0.0], [])
+
+
+@pytest.fixture()
+def fake_server():
+    """A FakeBackend server on a background loop thread for CLI tests."""
+    import asyncio
+
+    from omni_stream.server.app import start_server
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+
+        async def up():
+            box["runner"], box["url"] = await start_server(FakeBackend(frame_delay=0.005), "127.0.0.1", 0)
+            ready.set()
+
+        loop.run_until_complete(up())
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    yield box["url"]
+    asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(10)
+
+
+def test_client_writes_wav_and_reports(fake_server, tmp_path, capsys):
+    out = tmp_path / "a.wav"
+    rc = client_main(["--url", fake_server, "--text", "Hello there, general.", "--seed", "3",
+                      "--out", str(out), "--json"])
+    assert rc == 0
+    fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    data, sr = sf.read(out, dtype="int16")
+    assert sr == 24000 and len(data) % 1920 == 0 and len(data) > 0
+    assert fig["audio_s"] == pytest.approx(len(data) / 24000, abs=1e-3)
+    assert fig["ttfa_ms"] > 0 and fig["rtf"] > 0 and fig["underruns"] >= 0 and fig["chunks"] >= 1
+
+
+def test_client_errors_are_clear(fake_server, tmp_path, capsys):
+    assert client_main(["--url", "http://127.0.0.1:9", "--text", "hi", "--out", str(tmp_path / "x.wav")]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+    assert client_main(["--url", fake_server, "--text", "hi", "--voice", "nobody",
+                        "--out", str(tmp_path / "x.wav")]) == 2
+    assert "400" in capsys.readouterr().err
+    assert client_main(["--url", fake_server, "--text", "hi", "--decoder-backend", "torch",
+                        "--out", str(tmp_path / "x.wav")]) == 2
+    assert "use --decoder-backend server" in capsys.readouterr().err
