@@ -74,7 +74,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         dtype=DTYPES[a.dtype], max_streams=a.max_streams, max_queue=a.max_queue,
         queue_timeout_s=a.queue_timeout, max_seq_len=a.max_seq_len,
         schedule=ChunkSchedule(first=a.first_chunk, steady=a.steady_chunk),
-        talker_threads=a.talker_threads, codec_threads=a.codec_threads, device=a.device)
+        talker_threads=a.talker_threads, codec_threads=a.codec_threads, device=a.device,
+        placement=a.placement, cp_threads=a.cp_threads)
     backend = PipelineBackend(settings)
     run_server(backend, a.host, a.port, from_args(a))
     return 0
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steady-chunk", type=int, default=8, help="frames per chunk once ramped up")
     v.add_argument("--talker-threads", type=int, default=1)
     v.add_argument("--codec-threads", type=int, default=1)
+    v.add_argument("--placement", choices=["together", "split"], default="together",
+                   help="talker and code predictor in one process, or in two")
+    v.add_argument("--cp-threads", type=int, default=1, help="code-predictor threads (split)")
     from omni_stream.server.settings import add_arguments
 
     add_arguments(v)

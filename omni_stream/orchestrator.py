@@ -28,6 +28,7 @@ from omni_stream.models.checkpoint import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
+from omni_stream.stages.cp_stage import run_cp_stage
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
@@ -50,9 +51,13 @@ class PipelineSettings:
     talker_threads: int = 1
     codec_threads: int = 1
     device: str = "cpu"
+    placement: str = "together"  # talker and code predictor: "together" (one process) or "split"
+    cp_threads: int = 1
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.placement not in ("together", "split"):
+            raise ValueError(f"placement must be 'together' or 'split', not {self.placement!r}")
         if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_streams >= 1, max_queue >= 0 and queue_timeout_s > 0 required")
 
@@ -79,12 +84,24 @@ class _Pipeline:
                          max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device)
         cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                           threads=s.codec_threads, device=s.device)
+        self.rings = [self.frames, self.audio]
+        cp_handles = None
+        self.cp = None
+        if s.placement == "split":
+            to_cp, from_cp = Ring.create("cp_in", 4 << 20), Ring.create("cp_out", 1 << 20)
+            self.rings += [to_cp, from_cp]
+            cp_handles = (to_cp.handle("producer"), from_cp.handle("consumer"))
+            pspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                              threads=s.cp_threads, device=s.device)
+            self.cp = ctx.Process(target=run_cp_stage, name="omni-code-predictor", daemon=True,
+                                  args=(pspec, to_cp.handle("consumer"), from_cp.handle("producer")))
         self.talker = ctx.Process(target=run_talker_stage, name="omni-talker", daemon=True,
-                                  args=(spec, child_ctrl, self.frames.handle("producer")))
+                                  args=(spec, child_ctrl, self.frames.handle("producer"), cp_handles))
         self.codec = ctx.Process(target=run_codec_stage, name="omni-codec", daemon=True,
                                  args=(cspec, self.frames.handle("consumer"), self.audio.handle("producer")))
-        self.talker.start()
-        self.codec.start()
+        self.procs = [p for p in (self.talker, self.cp, self.codec) if p is not None]
+        for p in self.procs:
+            p.start()
         child_ctrl.close()
         self.lock = threading.Lock()  # control sends come from the loop thread and the reader
 
@@ -102,7 +119,7 @@ class _Pipeline:
         raise RuntimeError("codec stage did not start; see its log")
 
     def alive(self) -> bool:
-        return self.talker.is_alive() and self.codec.is_alive()
+        return all(p.is_alive() for p in self.procs)
 
     def send(self, msg) -> None:
         with self.lock:
@@ -113,13 +130,13 @@ class _Pipeline:
             self.send(Shutdown(reason="server closing"))
         except (ChannelClosed, OSError):
             pass
-        for p in (self.talker, self.codec):
+        for p in self.procs:
             p.join(timeout=3)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=3)
         self.ctrl.close()
-        for r in (self.frames, self.audio):
+        for r in self.rings:
             r.close()
             r.unlink()
 
@@ -307,7 +324,7 @@ class PipelineBackend:
                     return
 
     def _recover(self, pipe: _Pipeline) -> None:
-        dead = [p.name for p in (pipe.talker, pipe.codec) if not p.is_alive()]
+        dead = [p.name for p in pipe.procs if not p.is_alive()]
         log.error("stage process died (%s): failing %d streams and restarting", ", ".join(dead),
                   len(self._streams))
         self._pipe = None

@@ -178,3 +178,22 @@ def test_bad_input_does_not_disturb_running_stream(tiny_ckpt):
             assert data == ref[2]
 
     run_async(main(), timeout=300)
+
+
+def test_split_placement_gives_identical_audio(tiny_ckpt):
+    """Talker and code predictor in separate processes: same seeded request, same samples."""
+    async def main():
+        out = {}
+        for placement in ("split", "together"):
+            backend = PipelineBackend(_settings(tiny_ckpt, placement=placement))
+            async with running_server(backend) as url, aiohttp.ClientSession() as s:
+                results = await asyncio.gather(*[
+                    _speech(s, url, input=f"{TEXT} {i}", response_format="pcm", seed=40 + i,
+                            max_new_tokens=12) for i in range(2)])
+                assert all(r[0] == 200 for r in results)
+                out[placement] = [r[2] for r in results]
+                if placement == "split":
+                    assert backend._pipe.cp is not None and backend._pipe.cp.is_alive()
+        assert out["split"] == out["together"]
+
+    run_async(main(), timeout=300)

@@ -83,6 +83,9 @@ class FrameEngine:
         # static_live: attend over the whole cache with a mask instead of slicing to the live
         # length (no host sync: required for CUDA-graph capture; see omni_stream.models.graphs)
         self.static_live = False
+        # where codes 1..G-1 come from: this process (default) or a remote code-predictor
+        # stage (omni_stream.stages.cp_stage.RemoteResidual); same contract as _predict_residual
+        self.residual_fn = self._predict_residual
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
@@ -171,7 +174,7 @@ class FrameEngine:
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance slots [0, p) by one frame. Returns (codes [p, G] of the finished frame,
         next codebook-0 ids [p]). Rows of idle slots in the range are computed and ignored."""
-        residual = self._predict_residual(p)
+        residual = self.residual_fn(p)
         codes = torch.cat((self.last_code0[:p].unsqueeze(1), residual), dim=1)  # [p, G]
         t = self.talker
         embeds = [t.codec_embed(codes[:, 0])]

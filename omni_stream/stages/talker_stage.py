@@ -168,8 +168,10 @@ class StageSpec:
     device: str = "cpu"
 
 
-def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle) -> None:
-    """Process entry point."""
+def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
+                     cp_handles: tuple | None = None) -> None:
+    """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
+    placement: the code predictor runs in its own stage process."""
     from omni_stream.models.checkpoint import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s talker: %(message)s")
@@ -178,6 +180,12 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle) -> No
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
                         out, device=spec.device)
+    if cp_handles is not None:
+        from omni_stream.stages.cp_stage import RemoteResidual
+
+        remote = RemoteResidual(stage.engine, cp_handles[0].open(), cp_handles[1].open())
+        remote.wait_ready(timeout=300)
+        stage.engine.residual_fn = remote
     ctrl.send(StatsReply(stage="talker", pid=_pid(), stats={"ready": 1}))
     try:
         running = True

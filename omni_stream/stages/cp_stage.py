@@ -1,0 +1,103 @@
+"""Code-predictor stage: the 15 residual-codebook sub-steps in their own process.
+
+Placement "split" puts the code predictor beside the talker instead of inside it (a deployment
+choice for many-core CPUs, where the two can run on disjoint cores). Per frame the talker sends,
+for slots [0, P):
+  1. float32 [P, C + 3]: talker hidden state ++ (greedy flag, temperature, top-p) of the code
+     predictor's sampler;
+  2. int64 [P, 4]: codebook-0 id, stream seed, draw counter, top-k;
+and gets back int64 [P, G-1]: codes 1..G-1. The draw counters travel with the request, so the
+split placement draws exactly what the co-located one does (same codes, tested).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.transport import MsgKind, Ring
+
+log = logging.getLogger(__name__)
+
+READY = -1  # seq of the stage's ready message on its output ring
+
+
+class CodePredictorUnavailable(RuntimeError):
+    pass
+
+
+class RemoteResidual:
+    """Drop-in for ``FrameEngine._predict_residual`` that asks the code-predictor stage."""
+
+    def __init__(self, engine: FrameEngine, to_cp: Ring, from_cp: Ring, timeout: float = 30.0) -> None:
+        self.e, self.to_cp, self.from_cp, self.timeout = engine, to_cp, from_cp, timeout
+        self.seq = 0
+
+    def wait_ready(self, timeout: float) -> None:
+        m = self.from_cp.get(timeout=timeout)
+        if m is None or m.seq != READY:
+            raise CodePredictorUnavailable("code-predictor stage did not start")
+
+    def __call__(self, p: int) -> torch.Tensor:
+        e = self.e
+        sp = e.cp_sp
+        floats = torch.cat((e.last_hidden[:p].float(), sp.greedy[:p, None].float(),
+                            sp.temperature[:p, None], sp.top_p[:p, None]), dim=1)
+        ints = torch.stack((e.last_code0[:p], e.seed[:p], e.counter[:p], sp.top_k[:p]), dim=1)
+        self.seq += 1
+        ok = self.to_cp.put(floats, kind=MsgKind.HIDDEN, seq=self.seq, timeout=self.timeout)
+        ok = ok and self.to_cp.put(ints, kind=MsgKind.DATA, seq=self.seq, timeout=self.timeout)
+        m = self.from_cp.get(timeout=self.timeout) if ok else None
+        if m is None or m.seq != self.seq:
+            raise CodePredictorUnavailable("code-predictor stage stopped answering")
+        e.counter[:p] += e.cfg.num_code_groups - 1
+        return torch.from_numpy(m.payload).to(e.device)
+
+
+def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> None:
+    """The stage loop: answer each (hidden, ints) request with the residual codes."""
+    c = engine.cfg.lm.hidden_size
+    with torch.inference_mode():
+        while should_run():
+            m1 = inp.get(timeout=0.1)
+            if m1 is None:
+                continue
+            m2 = inp.get(timeout=5.0)
+            if m2 is None or m2.seq != m1.seq:
+                raise RuntimeError("code-predictor stage: request arrived incomplete")
+            f = torch.from_numpy(m1.payload)
+            i = torch.from_numpy(m2.payload)
+            p = f.shape[0]
+            engine.last_hidden[:p] = f[:, :c].to(engine.dtype)
+            engine.cp_sp.greedy[:p] = f[:, c] > 0.5
+            engine.cp_sp.temperature[:p] = f[:, c + 1]
+            engine.cp_sp.top_p[:p] = f[:, c + 2]
+            engine.last_code0[:p] = i[:, 0]
+            engine.seed[:p] = i[:, 1]
+            engine.counter[:p] = i[:, 2]
+            engine.cp_sp.top_k[:p] = i[:, 3]
+            codes = engine._predict_residual(p)
+            out.put(codes.numpy().astype(np.int64), kind=MsgKind.CODES, seq=m1.seq, timeout=30.0)
+
+
+def run_cp_stage(spec, in_handle, out_handle) -> None:
+    """Process entry point."""
+    import os
+
+    from omni_stream.models.checkpoint import load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s code-predictor: %(message)s")
+    torch.set_num_threads(spec.threads)
+    inp, out = in_handle.open(), out_handle.open()
+    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,
+                                                           max_trailing=1), device=spec.device)
+    out.put(None, kind=MsgKind.EVENT, seq=READY, timeout=30.0)
+    try:
+        serve_residuals(engine, inp, out, lambda: os.getppid() != 1 and inp.peer_alive())
+    finally:
+        inp.close()
+        out.close()
