@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-checkpoint", help="write a random checkpoint in the released layout")
-    m.add_argument("--preset", choices=["tiny", "0.6b", "1.7b"], required=True)
+    m.add_argument("--preset", choices=["tiny", "small", "0.6b", "1.7b"], required=True)
     m.add_argument("--variant", choices=["custom_voice", "voice_design", "base"], default="custom_voice")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--dtype", default="bf16", help="stored dtype: bf16 (released) or fp32")

@@ -139,3 +139,29 @@ def test_static_live_mode_matches_dynamic(tiny_model):
     assert runner.sizes == [1, 2, 3] and runner.bucket(3) == 3
     with pytest.raises(ValueError, match="exceeds max_slots"):
         runner.bucket(4)
+
+
+def test_chunked_prefill_equals_whole(tiny_model):
+    """Feeding the prompt in pieces (throttled prefill) gives the same stream."""
+    params = SamplingParams()
+    builder = PromptBuilder(tiny_model.config, tiny_model.weights.talker, tiny_model.tokenizer)
+    p = builder.build(REQS[0])
+    outs = []
+    for pieces in ([p.length], [3, 5, p.length - 8], [1] * p.length):
+        eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=2, max_seq_len=256))
+        start, code0 = 0, None
+        with torch.inference_mode():
+            for i, n in enumerate(pieces):
+                last = i == len(pieces) - 1
+                code0 = eng.prefill(1, p.embeds[start:start + n], p.trailing, params, 9,
+                                    start=start, final=last)
+                assert (code0 is None) != last
+                start += n
+            frames = [eng.step(2)[0][1].clone() for _ in range(5)]
+        outs.append((code0, torch.stack(frames)))
+    for c, f in outs[1:]:
+        assert c == outs[0][0]
+        torch.testing.assert_close(f, outs[0][1], rtol=0, atol=0)
+    eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=1, max_seq_len=256))
+    with pytest.raises(ValueError, match="holds 0 prompt positions"):
+        eng.prefill(0, p.embeds[:2], p.trailing, params, 0, start=4)

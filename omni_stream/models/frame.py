@@ -89,16 +89,36 @@ class FrameEngine:
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
-                params: SamplingParams, seed: int) -> int:
-        """Run the prompt [T, C] into ``slot`` and draw the first codebook-0 id (returned).
+                params: SamplingParams, seed: int, start: int = 0, final: bool = True) -> int | None:
+        """Run prompt positions [start, start + T) (embeds [T, C]) into ``slot``.
 
-        ``trailing`` [N, C] are the text-track rows added to the decode steps (then tts_pad)."""
+        A prompt may be fed in pieces (chunked prefill: ``final=False`` until the last piece);
+        the first piece (``start == 0``) resets the slot's state. The last piece draws and
+        returns the first codebook-0 id. ``trailing`` [N, C] are the text-track rows added to
+        the decode steps (then tts_pad); only read on the first piece."""
         t = embeds.shape[0]
-        if t + 1 > self.shape.max_seq_len:
-            raise ValueError(f"prompt of {t} positions does not fit max_seq_len {self.shape.max_seq_len}")
+        if start + t + 1 > self.shape.max_seq_len:
+            raise ValueError(f"prompt of {start + t} positions does not fit max_seq_len {self.shape.max_seq_len}")
+        if start == 0:
+            self._reset_slot(slot, trailing, params, seed)
+        elif int(self.pos[slot]) != start:
+            raise ValueError(f"slot {slot} holds {int(self.pos[slot])} prompt positions, not {start}")
+        x = embeds.to(self.dtype).unsqueeze(0)
+        pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
+        rows = torch.zeros_like(pos)
+        caches = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in self.caches]
+        hidden = self.talker.model.run(x, pos, rows, caches, start + t, self.rope)[:, -1]  # [1, C]
+        self.pos[slot] = start + t
+        if not final:
+            return None
+        self.last_hidden[slot] = hidden[0]
+        sl = slice(slot, slot + 1)
+        code0 = self._talker_draw(hidden, sl)
+        return int(code0[0])
+
+    def _reset_slot(self, slot: int, trailing: torch.Tensor, params: SamplingParams, seed: int) -> None:
         if trailing.shape[0] > self.shape.max_trailing:
             raise ValueError(f"{trailing.shape[0]} text-track rows exceed max_trailing {self.shape.max_trailing}")
-        dev = self.device
         self.talk_sp.set(slot, not params.do_sample, params.temperature, params.top_k, params.top_p)
         self.cp_sp.set(slot, not params.sub_do_sample, params.sub_temperature, params.sub_top_k, params.sub_top_p)
         self.penalty[slot] = params.repetition_penalty
@@ -112,16 +132,6 @@ class FrameEngine:
         self.trailing[slot, :n] = trailing.to(self.dtype)
         self.trailing[slot, n:] = self.pad_row
         self.trailing_len[slot] = n
-        x = embeds.to(self.dtype).unsqueeze(0)
-        pos = torch.arange(t, device=dev).unsqueeze(0)
-        rows = torch.zeros_like(pos)
-        caches = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in self.caches]
-        hidden = self.talker.model.run(x, pos, rows, caches, t, self.rope)[:, -1]  # [1, C]
-        self.pos[slot] = t
-        self.last_hidden[slot] = hidden[0]
-        sl = slice(slot, slot + 1)
-        code0 = self._talker_draw(hidden, sl)
-        return int(code0[0])
 
     @property
     def pad_row(self) -> torch.Tensor:

@@ -24,7 +24,7 @@ SPEAKERS = {
 SPEAKER_DIALECT: dict[str, Any] = {name: False for name in SPEAKERS}
 SPEAKER_DIALECT.update({"eric": "sichuan_dialect", "dylan": "beijing_dialect"})
 
-PRESETS = ("tiny", "0.6b", "1.7b")
+PRESETS = ("tiny", "small", "0.6b", "1.7b")
 
 _CODEC_IDS = {
     "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150,
@@ -40,6 +40,15 @@ _SIZES: dict[str, dict[str, Any]] = {
                             num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                             latent_dim=32, codebook_dim=16, codebook_size=2048,
                             decoder_dim=64)),
+    # between tiny and 0.6B: real-time on a 2-core CPU with prefills that cost whole frames,
+    # which is what the scheduling load tests need
+    "small": dict(size="0b6", hidden=512, ffn=1536, layers=8, heads=8, kv=4, head_dim=64,
+                  text_hidden=512, cp_hidden=512, cp_ffn=1536, cp_layers=3, cp_heads=8, cp_kv=4,
+                  cp_head_dim=64, spk_dim=512,
+                  codec=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                             latent_dim=64, codebook_dim=32, codebook_size=2048,
+                             decoder_dim=128)),
     "0.6b": dict(size="0b6", hidden=1024, ffn=3072, layers=28, heads=16, kv=8, head_dim=128,
                  text_hidden=2048, cp_hidden=1024, cp_ffn=3072, cp_layers=5, cp_heads=16,
                  cp_kv=8, cp_head_dim=128, spk_dim=1024, codec={}),
@@ -110,7 +119,7 @@ def model_config_dict(preset: str, variant: str, *, talker_layers: int | None = 
         spk_is_dialect=dict(SPEAKER_DIALECT) if variant == "custom_voice" else {},
         **_CODEC_IDS,
     )
-    if preset == "tiny":
+    if preset in ("tiny", "small"):
         # keep mrope sections consistent with the tiny head_dim (sum = head_dim / 2)
         half = s["head_dim"] // 2
         talker["rope_scaling"]["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
@@ -130,11 +139,11 @@ def model_config_dict(preset: str, variant: str, *, talker_layers: int | None = 
     if variant == "base":
         cfg["speaker_encoder_config"] = dict(
             mel_dim=128, enc_dim=s["spk_dim"],
-            enc_channels=[512, 512, 512, 512, 1536] if preset != "tiny" else [32, 32, 32, 32, 96],
+            enc_channels=[512, 512, 512, 512, 1536] if preset not in ("tiny", "small") else [32, 32, 32, 32, 96],
             enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
-            enc_attention_channels=128 if preset != "tiny" else 16,
-            enc_res2net_scale=8 if preset != "tiny" else 4,
-            enc_se_channels=128 if preset != "tiny" else 16, sample_rate=24000)
+            enc_attention_channels=128 if preset not in ("tiny", "small") else 16,
+            enc_res2net_scale=8 if preset not in ("tiny", "small") else 4,
+            enc_se_channels=128 if preset not in ("tiny", "small") else 16, sample_rate=24000)
     return cfg
 
 
