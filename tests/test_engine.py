@@ -142,21 +142,26 @@ def test_static_live_mode_matches_dynamic(tiny_model):
 
 
 def test_chunked_prefill_equals_whole(tiny_model):
-    """Feeding the prompt in pieces (throttled prefill) gives the same stream."""
+    """Feeding the prompt in pieces (throttled prefill), with decode steps of another stream
+    running over the half-prefilled slot in between, gives the same stream."""
     params = SamplingParams()
     builder = PromptBuilder(tiny_model.config, tiny_model.weights.talker, tiny_model.tokenizer)
     p = builder.build(REQS[0])
+    other = builder.build(REQS[1])
     outs = []
     for pieces in ([p.length], [3, 5, p.length - 8], [1] * p.length):
         eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=2, max_seq_len=256))
         start, code0 = 0, None
         with torch.inference_mode():
+            eng.prefill(0, other.embeds, other.trailing, params, 1)
             for i, n in enumerate(pieces):
                 last = i == len(pieces) - 1
                 code0 = eng.prefill(1, p.embeds[start:start + n], p.trailing, params, 9,
                                     start=start, final=last)
                 assert (code0 is None) != last
                 start += n
+                if not last:
+                    eng.step(2)  # the running stream in slot 0 keeps going
             frames = [eng.step(2)[0][1].clone() for _ in range(5)]
         outs.append((code0, torch.stack(frames)))
     for c, f in outs[1:]:

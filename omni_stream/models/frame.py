@@ -62,6 +62,9 @@ class FrameEngine:
         self.gen_step = torch.zeros(s, dtype=torch.int64, device=dev)
         self.trailing = torch.zeros(s, shape.max_trailing + 1, lm.hidden_size, dtype=wdtype, device=dev)
         self.trailing_len = torch.zeros(s, dtype=torch.int64, device=dev)
+        # slots holding a running stream; idle and partly-prefilled slots inside [0, p) are
+        # computed by step() but do not advance
+        self.active = torch.zeros(s, dtype=torch.bool, device=dev)
         self.seed = torch.zeros(s, dtype=torch.int64, device=dev)
         self.counter = torch.zeros(s, dtype=torch.int64, device=dev)
         self.penalty = torch.ones(s, dtype=torch.float32, device=dev)
@@ -111,6 +114,12 @@ class FrameEngine:
         self.pos[slot] = start + t
         if not final:
             return None
+        # history is reset only now: decode steps may have run over this slot between pieces
+        self.seen[slot] = False
+        self.n_gen[slot] = 0
+        self.gen_step[slot] = 0
+        self.counter[slot] = 0
+        self.active[slot] = True
         self.last_hidden[slot] = hidden[0]
         sl = slice(slot, slot + 1)
         code0 = self._talker_draw(hidden, sl)
@@ -124,14 +133,15 @@ class FrameEngine:
         self.penalty[slot] = params.repetition_penalty
         self.min_new[slot] = params.min_new_tokens
         self.seed[slot] = seed
-        self.counter[slot] = 0
-        self.seen[slot] = False
-        self.n_gen[slot] = 0
-        self.gen_step[slot] = 0
+        self.active[slot] = False
         n = trailing.shape[0]
         self.trailing[slot, :n] = trailing.to(self.dtype)
         self.trailing[slot, n:] = self.pad_row
         self.trailing_len[slot] = n
+
+    def release(self, slot: int) -> None:
+        """The slot's stream is over: stop advancing it (its state is reset by the next prefill)."""
+        self.active[slot] = False
 
     @property
     def pad_row(self) -> torch.Tensor:
@@ -201,8 +211,9 @@ class FrameEngine:
             live = int(self.pos[:p].max()) + 1
         hidden = t.model.run(x.unsqueeze(1), pos, rows, caches, live, self.rope)[:, -1]
         self.last_hidden[:p] = hidden
-        # idle slots inside [0, p) also advance; clamp so their writes stay in bounds
-        self.pos[:p] = (self.pos[:p] + 1).clamp(max=self.shape.max_seq_len - 1)
-        self.gen_step[:p] += 1
+        # only running slots advance; idle ones rewrite the same (unused) position
+        act = self.active[:p].long()
+        self.pos[:p] = (self.pos[:p] + act).clamp(max=self.shape.max_seq_len - 1)
+        self.gen_step[:p] += act
         code0 = self._talker_draw(hidden, slice(0, p))
         return codes, code0
