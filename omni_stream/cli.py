@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(v)
     v.set_defaults(func=cmd_serve)
+
+    from omni_stream.observability.report import add_stats_parser
+
+    add_stats_parser(sub)
     return p
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from omni_stream.config import ModelConfig
 from omni_stream.models.checkpoint import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
+from omni_stream.observability import stepstats
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
@@ -199,6 +200,7 @@ class PipelineBackend:
                     streams_failed=self._failed)
 
     async def start(self) -> None:
+        stepstats.configure("server")
         cleanup_stale()
         self._slots = asyncio.Semaphore(self.s.max_streams)
         await asyncio.get_running_loop().run_in_executor(None, self._start_pipeline)
@@ -239,8 +241,10 @@ class PipelineBackend:
                 raise BackendError(429, "server_busy", f"all {self.s.max_streams} streams busy and "
                                    f"{self._waiting} queued: retry later", retry_after=2)
         self._waiting += 1
+        t_wait = time.perf_counter()
         try:
             await asyncio.wait_for(self._slots.acquire(), self.s.queue_timeout_s)
+            stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         except asyncio.TimeoutError:
             raise BackendError(503, "queue_timeout", f"no stream slot within "
                                f"{self.s.queue_timeout_s:.0f} s: retry later", retry_after=2) from None
@@ -265,7 +269,8 @@ class PipelineBackend:
                             prompt=dict(text=job.text, language=job.language, speaker=job.voice,
                                         instructions=job.instructions if self.supports_instructions else None,
                                         chunk=sched.as_list(), stream_codes=job.stream_codes))
-            pipe.send(msg)
+            with stepstats.phase("server.dispatch"):
+                pipe.send(msg)
             total = 0
             while True:
                 item = await st.queue.get()
@@ -313,15 +318,27 @@ class PipelineBackend:
         while not self._stop.is_set():
             m = pipe.audio.get(timeout=0.05)
             if m is not None:
+                stepstats.record_ns("hop.audio.enqueue_put", m.enqueue_ns, m.put_ns)
+                stepstats.record_ns("hop.audio.put_get", m.put_ns, m.get_ns)
                 st = self._streams.get(m.stream_id)
                 if st is not None:
                     self._deliver(st, m)
             now = time.monotonic()
             if now - last_check >= 0.1:
                 last_check = now
+                self._drain_control(pipe)
                 if not pipe.alive():
                     self._recover(pipe)
                     return
+
+    def _drain_control(self, pipe: _Pipeline) -> None:
+        """Stage timing pushes (StatsReply with request_id -1) -> this process's /metrics."""
+        try:
+            while (msg := pipe.ctrl.recv(timeout=0)) is not None:
+                if isinstance(msg, StatsReply) and msg.request_id == -1:
+                    _replay_into_metrics(msg.stats, msg.stage, msg.pid)
+        except (ChannelClosed, OSError):
+            pass
 
     def _recover(self, pipe: _Pipeline) -> None:
         dead = [p.name for p in pipe.procs if not p.is_alive()]
@@ -338,3 +355,17 @@ class PipelineBackend:
             self._start_pipeline()
         except Exception as e:  # keep serving errors rather than dying
             log.error("pipeline restart failed: %s", e)
+
+
+def _replay_into_metrics(flat: dict, stage: str, pid: int) -> None:
+    """Feed a stage's timing delta to the server's step histograms (one sample per recorded
+    phase event, at its histogram bin's geometric centre)."""
+    from omni_stream.server.metrics import observe_step
+
+    snap = stepstats.unflatten_snapshot(flat, stage, pid)
+    for name, p in snap["phases"].items():
+        for b, n in p["bins"]:
+            lo, hi = stepstats.bin_edges(b)
+            centre = (lo * hi) ** 0.5 if lo > 0 and hi != float("inf") else (hi if lo == 0 else lo)
+            for _ in range(min(int(n), 1000)):
+                observe_step(name, centre)

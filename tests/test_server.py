@@ -226,7 +226,7 @@ def test_health_models_and_metrics():
                  "omni_stream_audio_seconds_total", "omni_stream_ws_sessions",
                  "omni_stream_backend_active_streams", "omni_stream_backend_queue_depth",
                  "omni_stream_backend_slots_total 4.0", 'omni_stream_step_seconds_bucket{le=',
-                 'phase="talker_step"', 'phase="encode_write"'):
+                 'phase="talker_step"', 'phase="server.encode_write"'):
         assert name in text, name
     assert 'omni_stream_requests_total{route="/v1/audio/speech",status="200"} 1.0' in text
     assert 'omni_stream_requests_total{route="/v1/audio/speech",status="400"} 1.0' in text

@@ -121,6 +121,11 @@ async def list_voices(request: web.Request) -> web.Response:
 
 def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.Application:
     """The application; starting it (runner setup) starts the backend, cleanup closes it."""
+    from omni_stream.observability import stepstats
+    from omni_stream.server.metrics import observe_step
+
+    stepstats.remove_listener(observe_step)
+    stepstats.add_listener(observe_step)  # every phase timed in this process feeds /metrics
     settings = settings or ServerSettings()
     if settings.default_response_format not in (None, *supported_formats()):
         raise ValueError(f"default_response_format '{settings.default_response_format}' is not "

@@ -21,7 +21,7 @@ from aiohttp import web
 from omni_stream.server.audio import encode_whole, to_s16le, wav_header
 from omni_stream.server.backend import AudioChunk
 from omni_stream.server.errors import ApiError
-from omni_stream.server.metrics import observe_step
+from omni_stream.observability import stepstats
 from omni_stream.server.schema import SpeechPlan, decode_speech_request, plan_speech
 from omni_stream.server.sse import write_sse
 from omni_stream.server.state import STATE, ServerState
@@ -74,7 +74,7 @@ async def write_audio(request: web.Request, resp: web.StreamResponse, run: Strea
             header = b""
             if data:
                 await resp.write(data)
-            observe_step("encode_write", time.perf_counter() - t)
+            stepstats.record("server.encode_write", time.perf_counter() - t)
             run.sent(chunk)
             chunk = await run.next()
     except ApiError as e:
@@ -103,7 +103,7 @@ async def whole_file(run: StreamRun, first: AudioChunk, plan: SpeechPlan, sample
     else:
         data = await asyncio.get_running_loop().run_in_executor(
             None, encode_whole, pcm, sample_rate, plan.fmt.name)
-    observe_step("encode_write", time.perf_counter() - t)
+    stepstats.record("server.encode_write", time.perf_counter() - t)
     usage = run.usage()
     return web.Response(body=data, content_type=plan.fmt.content_type,
                         headers={**headers, "X-Usage-Input-Tokens": str(usage["input_tokens"]),

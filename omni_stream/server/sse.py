@@ -19,7 +19,7 @@ from aiohttp import web
 from omni_stream.server.audio import to_s16le
 from omni_stream.server.backend import AudioChunk
 from omni_stream.server.errors import ApiError
-from omni_stream.server.metrics import observe_step
+from omni_stream.observability import stepstats
 from omni_stream.server.stream import StreamRun
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ async def write_sse(request: web.Request, resp: web.StreamResponse, run: StreamR
             t = time.perf_counter()
             if chunk.pcm is not None and chunk.pcm.size:
                 await resp.write(sse_record(delta_event(to_s16le(chunk.pcm))))
-            observe_step("encode_write", time.perf_counter() - t)
+            stepstats.record("server.encode_write", time.perf_counter() - t)
             run.sent(chunk)
             chunk = await run.next()
         await resp.write(sse_record(done_event(run.usage())))

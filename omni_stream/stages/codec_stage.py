@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
+from omni_stream.observability import stepstats
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.transport import Flags, Message, MsgKind, Ring
 
@@ -54,6 +55,8 @@ class CodecStage:
         self.calls = 0
 
     def on_message(self, m: Message) -> None:
+        stepstats.record_ns("hop.frames.enqueue_put", m.enqueue_ns, m.put_ns)
+        stepstats.record_ns("hop.frames.put_get", m.put_ns, m.get_ns)
         sid = m.stream_id
         if m.kind == MsgKind.EVENT and m.flags & Flags.FIRST:
             info = m.payload.tolist()
@@ -123,7 +126,9 @@ class CodecStage:
             t0 = time.perf_counter()
             pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
             pcm = pcm.float().cpu().numpy()
-            self.decode_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            stepstats.record("codec.decode", dt)
+            self.decode_s += dt
             self.decoded_frames += n * len(group)
             self.calls += 1
             for i, (sid, st) in enumerate(group):
@@ -160,6 +165,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s codec: %(message)s")
     torch.set_num_threads(spec.threads)
+    stepstats.configure("codec")
     inp = frames_handle.open()
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
@@ -174,6 +180,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
                 m = inp.get(timeout=0)
             did = stage.iterate()
     finally:
+        stepstats.dump()
         inp.close()
         out.close()
 

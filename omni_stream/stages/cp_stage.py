@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
             engine.seed[:p] = i[:, 1]
             engine.counter[:p] = i[:, 2]
             engine.cp_sp.top_k[:p] = i[:, 3]
-            codes = engine._predict_residual(p)
+            stepstats.record_ns("hop.cp.put_get", m1.put_ns, m1.get_ns)
+            with stepstats.phase("cp.predict"):
+                codes = engine._predict_residual(p)
             out.put(codes.numpy().astype(np.int64), kind=MsgKind.CODES, seq=m1.seq, timeout=30.0)
 
 
@@ -91,6 +94,7 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s code-predictor: %(message)s")
     torch.set_num_threads(spec.threads)
+    stepstats.configure("cp")
     inp, out = in_handle.open(), out_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,
@@ -99,5 +103,6 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
     try:
         serve_residuals(engine, inp, out, lambda: os.getppid() != 1 and inp.peer_alive())
     finally:
+        stepstats.dump()
         inp.close()
         out.close()

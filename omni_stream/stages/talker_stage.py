@@ -25,6 +25,7 @@ from omni_stream.models.checkpoint import LoadedModel
 from omni_stream.models.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
 from omni_stream.models.sampling import SamplingParams
+from omni_stream.observability import stepstats
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
 
@@ -90,6 +91,7 @@ class TalkerStage:
         self.out.put(payload, kind=MsgKind.EVENT, stream_id=stream_id, flags=flags, aux=aux, timeout=5.0)
 
     def _release(self, slot: int) -> None:
+        self.engine.release(slot)
         del self.active[slot]
         self.free.append(slot)
         self.free.sort()
@@ -118,7 +120,9 @@ class TalkerStage:
             self._event(msg.stream_id, Flags.ERROR | Flags.END,
                         np.frombuffer(str(e).encode()[:2000], dtype=np.uint8).copy())
             return
-        self.prefill_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        stepstats.record("talker.prefill", dt)
+        self.prefill_s += dt
         self.prefills += 1
         if code0 == self.eos:  # nothing to say: end at once
             self.free.insert(0, slot)
@@ -139,12 +143,15 @@ class TalkerStage:
             return did
         p = max(self.active) + 1
         t0 = time.perf_counter()
-        t_ns = time.monotonic_ns()
         codes, code0 = self.engine.step(p)
         codes_np = codes.cpu().numpy()
         nxt = code0.tolist()
-        self.step_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        stepstats.record("talker.step", dt)
+        self.step_s += dt
         self.steps += 1
+        t_ns = time.monotonic_ns()
+        t_emit = time.perf_counter()
         for slot, a in list(self.active.items()):
             a.frames += 1
             last = nxt[slot] == self.eos or a.frames >= a.max_frames
@@ -153,6 +160,7 @@ class TalkerStage:
                          timeout=5.0)
             if last:
                 self._release(slot)
+        stepstats.record("talker.emit", time.perf_counter() - t_emit)
         return True
 
 
@@ -176,6 +184,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s talker: %(message)s")
     torch.set_num_threads(spec.threads)
+    stepstats.configure("talker")
     out = frames_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
@@ -186,12 +195,17 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
         remote = RemoteResidual(stage.engine, cp_handles[0].open(), cp_handles[1].open())
         remote.wait_ready(timeout=300)
         stage.engine.residual_fn = remote
+    stage.engine.residual_fn = _timed(stage.engine.residual_fn, "talker.code_predictor")
     ctrl.send(StatsReply(stage="talker", pid=_pid(), stats={"ready": 1}))
     try:
         running = True
+        last_push = time.monotonic()
+        pushed: dict = stepstats.snapshot()
         while running:
             busy = bool(stage.active or stage.pending)
             msg = ctrl.recv(timeout=0 if busy else 0.05)
+            t_top = time.perf_counter()
+            steps_before = stage.steps
             while msg is not None and running:
                 if isinstance(msg, StatsRequest):
                     ctrl.send(StatsReply(stage="talker", pid=_pid(), request_id=msg.request_id,
@@ -199,12 +213,30 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                 else:
                     running = stage.handle(msg)
                 msg = ctrl.recv(timeout=0) if running else None
+            stepstats.record("talker.control", time.perf_counter() - t_top)
             if running:
                 stage.iterate()
+                if stage.steps != steps_before:
+                    stepstats.record("frame.total", time.perf_counter() - t_top)
+            if time.monotonic() - last_push >= 1.0:  # ship new timings to the server's /metrics
+                snap = stepstats.snapshot()
+                delta = stepstats.diff_snapshots(snap, pushed)
+                if delta.get("phases"):
+                    ctrl.send(StatsReply(stage="talker", pid=_pid(), request_id=-1,
+                                         stats=stepstats.flatten_snapshot(delta)))
+                pushed, last_push = snap, time.monotonic()
     except ChannelClosed:
         log.info("control channel closed: exiting")
     finally:
+        stepstats.dump()
         out.close()
+
+
+def _timed(fn, name: str):
+    def wrapped(p: int):
+        with stepstats.phase(name):
+            return fn(p)
+    return wrapped
 
 
 def _pid() -> int:
