@@ -75,7 +75,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         queue_timeout_s=a.queue_timeout, max_seq_len=a.max_seq_len,
         schedule=ChunkSchedule(first=a.first_chunk, steady=a.steady_chunk),
         talker_threads=a.talker_threads, codec_threads=a.codec_threads, device=a.device,
-        placement=a.placement, cp_threads=a.cp_threads)
+        placement=a.placement, cp_threads=a.cp_threads,
+        kv_budget_bytes=int(a.kv_budget_mb * 2**20) if a.kv_budget_mb else None,
+        throttle=not a.no_throttle)
     backend = PipelineBackend(settings)
     run_server(backend, a.host, a.port, from_args(a))
     return 0
@@ -127,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--placement", choices=["together", "split"], default="together",
                    help="talker and code predictor in one process, or in two")
     v.add_argument("--cp-threads", type=int, default=1, help="code-predictor threads (split)")
+    v.add_argument("--kv-budget-mb", type=float, default=None,
+                   help="talker KV admitted at once (default: the static cache, streams x seq len)")
+    v.add_argument("--no-throttle", action="store_true",
+                   help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments
 
     add_arguments(v)

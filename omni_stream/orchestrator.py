@@ -26,7 +26,9 @@ import numpy as np
 from omni_stream.config import ModelConfig
 from omni_stream.models.checkpoint import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
+from omni_stream.models.prompt import assistant_text, instruct_text
 from omni_stream.observability import stepstats
+from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
@@ -53,6 +55,9 @@ class PipelineSettings:
     codec_threads: int = 1
     device: str = "cpu"
     placement: str = "together"  # talker and code predictor: "together" (one process) or "split"
+    kv_budget_bytes: int | None = None  # None: exactly the static cache (slots x max_seq_len)
+    max_overtakes: int = 4  # head-of-line: how often a queued request may be passed
+    throttle: bool = True  # playback-slack prefill throttling in the talker stage
     cp_threads: int = 1
     start_timeout_s: float = 300.0
 
@@ -82,7 +87,8 @@ class _Pipeline:
         self.audio = Ring.create("audio", 32 << 20, role="consumer")
         self.ctrl, child_ctrl = ControlChannel.pair(ctx)
         spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                         max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device)
+                         max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
+                         throttle=s.throttle)
         cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                           threads=s.codec_threads, device=s.device)
         self.rings = [self.frames, self.audio]
@@ -156,8 +162,12 @@ class PipelineBackend:
         self.supports_instructions = self.cfg.supports_instructions
         self._ids = itertools.count(1)
         self._streams: dict[int, _Stream] = {}
-        self._slots: asyncio.Semaphore | None = None
-        self._waiting = 0
+        dtype_bytes = 2 if settings.dtype in ("bfloat16", "float16") else 4
+        per_slot = settings.max_seq_len
+        self.kv = kv_budget_for(self.cfg, dtype_bytes=dtype_bytes, headroom=1.0,
+                                setting_bytes=settings.kv_budget_bytes
+                                or settings.max_streams * per_slot * self._kv_per_token(dtype_bytes))
+        self.adm: AdmissionController | None = None
         self._pipe: _Pipeline | None = None
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
@@ -165,6 +175,19 @@ class PipelineBackend:
         self._completed = 0
         self._failed = 0
         self._lock = threading.Lock()
+
+    def _kv_per_token(self, dtype_bytes: int) -> int:
+        from omni_stream.scheduling import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.cfg, dtype_bytes).flat_per_token
+
+    def prompt_tokens(self, job: SpeechJob) -> int:
+        """Talker positions the prompt will take (an upper bound; exact for text and instruction)."""
+        text = len(self.tokenizer.encode(assistant_text(job.text))) - 8
+        n = 3 + 6 + text + 2  # role, codec prefix (think.., language, speaker, pad), eos, bos
+        if job.instructions and self.supports_instructions:
+            n += len(self.tokenizer.encode(instruct_text(job.instructions)))
+        return n
 
     # ------------------------------------------------------------------ Backend API
     def voices(self) -> list[str]:
@@ -193,16 +216,21 @@ class PipelineBackend:
                                param="initial_codec_chunk_frames")
 
     def stats(self) -> dict[str, float]:
-        return dict(active_streams=len(self._streams), queue_depth=self._waiting,
-                    slots_total=self.s.max_streams,
-                    slots_free=self._slots._value if self._slots else self.s.max_streams,
-                    stage_restarts=self._restarts, streams_completed=self._completed,
-                    streams_failed=self._failed)
+        snap = self.adm.snapshot() if self.adm else {}
+        out = dict(active_streams=len(self._streams), queue_depth=snap.get("queued", 0),
+                   slots_total=self.s.max_streams,
+                   slots_free=self.s.max_streams - snap.get("admitted", 0),
+                   stage_restarts=self._restarts, streams_completed=self._completed,
+                   streams_failed=self._failed)
+        out.update({f"admission_{k}": v for k, v in snap.items()})
+        return out
 
     async def start(self) -> None:
         stepstats.configure("server")
         cleanup_stale()
-        self._slots = asyncio.Semaphore(self.s.max_streams)
+        self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
+                                       max_overtakes=self.s.max_overtakes)
+        log.info("KV budget: %s", self.kv.describe())
         await asyncio.get_running_loop().run_in_executor(None, self._start_pipeline)
 
     def _start_pipeline(self) -> None:
@@ -235,22 +263,23 @@ class PipelineBackend:
         self.validate(job)
         if self._pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
-        assert self._slots is not None
-        if self._slots.locked():
-            if self._waiting >= self.s.max_queue:
-                raise BackendError(429, "server_busy", f"all {self.s.max_streams} streams busy and "
-                                   f"{self._waiting} queued: retry later", retry_after=2)
-        self._waiting += 1
+        assert self.adm is not None
+        prompt_len = self.prompt_tokens(job)
+        max_frames = job.max_frames or min(self.s.default_max_frames,
+                                           self.s.max_seq_len - prompt_len - 1)
+        if prompt_len + max_frames + 1 > self.s.max_seq_len:
+            raise BackendError(400, "request_too_large", f"prompt ({prompt_len} positions) + "
+                               f"max_new_tokens ({max_frames}) exceed the {self.s.max_seq_len} "
+                               "positions of a stream: shorten the input or lower max_new_tokens",
+                               param="max_new_tokens")
+        sid = next(self._ids)
         t_wait = time.perf_counter()
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.s.queue_timeout_s)
-            stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
-        except asyncio.TimeoutError:
-            raise BackendError(503, "queue_timeout", f"no stream slot within "
-                               f"{self.s.queue_timeout_s:.0f} s: retry later", retry_after=2) from None
-        finally:
-            self._waiting -= 1
-        sid = next(self._ids)
+            await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
+                                   self.s.queue_timeout_s)
+        except Rejected as r:
+            raise r.to_backend_error() from None
+        stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         st = _Stream(sid, asyncio.get_running_loop())
         self._streams[sid] = st
         pipe = self._pipe
@@ -263,8 +292,7 @@ class PipelineBackend:
                                       steady=max(sched.steady, job.initial_chunk_frames))
             seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
             greedy = job.greedy
-            msg = AddStream(stream_id=sid, seed=seed,
-                            max_frames=job.max_frames or self.s.default_max_frames,
+            msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames,
                             do_sample=not greedy, sub_do_sample=not greedy,
                             prompt=dict(text=job.text, language=job.language, speaker=job.voice,
                                         instructions=job.instructions if self.supports_instructions else None,
@@ -307,7 +335,7 @@ class PipelineBackend:
                     pipe.send(CancelStream(stream_id=sid, reason="client gone"))
                 except (ChannelClosed, OSError):
                     pass
-            self._slots.release()
+            self.adm.release(sid)
 
     # ------------------------------------------------------------------ reader / supervisor
     def _deliver(self, st: _Stream, item) -> None:

@@ -23,9 +23,11 @@ import torch
 
 from omni_stream.models.checkpoint import LoadedModel
 from omni_stream.models.frame import EngineShape, FrameEngine
-from omni_stream.models.prompt import PromptBuilder, PromptRequest
+from omni_stream.models.prompt import Prompt, PromptBuilder, PromptRequest
 from omni_stream.models.sampling import SamplingParams
 from omni_stream.observability import stepstats
+from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
+                                            RunningStream, decide_prefill, slack_s)
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
 
@@ -39,19 +41,46 @@ class _Active:
     stream_id: int
     frames: int
     max_frames: int
+    first_t: float | None = None  # when its first frame left (the playback clock's origin)
+
+
+@dataclass
+class _Pending:
+    msg: AddStream
+    arrived: float
+    prompt: Prompt | None = None
+    slot: int | None = None
+    fed: int = 0  # prompt positions already prefilled (chunked prefill)
+
+
+@dataclass(frozen=True)
+class ThrottleSettings:
+    """Playback-slack prefill throttling (see omni_stream.scheduling.throttle)."""
+
+    enabled: bool = True
+    margin_s: float = 0.04
+    max_split_tokens: int = 64
+    min_split_tokens: int = 8
+    starvation_s: float = 2.0
 
 
 class TalkerStage:
     def __init__(self, model: LoadedModel, shape: EngineShape, out: Ring,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", throttle: ThrottleSettings | None = None) -> None:
         self.model = model
         self.engine = FrameEngine(model.weights.talker, shape, device=device)
         self.builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
         self.out = out
         self.eos = model.config.talker.special.codec_eos
+        self.frame_audio_s = 1.0 / model.config.frame_rate_hz
         self.free = list(range(shape.max_slots))
         self.active: dict[int, _Active] = {}
-        self.pending: collections.deque[AddStream] = collections.deque()
+        self.pending: collections.deque[_Pending] = collections.deque()
+        self.throttle = throttle or ThrottleSettings()
+        self.cost = PrefillCostModel(per_token_s=1e-4, fixed_s=1e-3)
+        self._cost_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+        self.frame_s = 0.05  # EMA of the measured decode-step wall time
+        self.decisions: collections.Counter = collections.Counter()
         self.steps = 0
         self.prefills = 0
         self.step_s = 0.0
@@ -61,7 +90,7 @@ class TalkerStage:
     def handle(self, msg) -> bool:
         """Apply one control message; False on Shutdown."""
         if isinstance(msg, AddStream):
-            self.pending.append(msg)
+            self.pending.append(_Pending(msg, time.monotonic()))
         elif isinstance(msg, CancelStream):
             self.cancel(msg.stream_id)
         elif isinstance(msg, Shutdown):
@@ -69,9 +98,11 @@ class TalkerStage:
         return True
 
     def cancel(self, stream_id: int) -> None:
-        for m in list(self.pending):
-            if m.stream_id == stream_id:
-                self.pending.remove(m)
+        for pend in list(self.pending):
+            if pend.msg.stream_id == stream_id:
+                self.pending.remove(pend)
+                if pend.slot is not None:
+                    self._free_slot(pend.slot)
                 self._event(stream_id, Flags.END, aux=CANCELLED)
                 return
         for slot, a in list(self.active.items()):
@@ -84,61 +115,116 @@ class TalkerStage:
         return dict(active=len(self.active), pending=len(self.pending), free_slots=len(self.free),
                     steps=self.steps, prefills=self.prefills,
                     step_ms_mean=1e3 * self.step_s / max(self.steps, 1),
-                    prefill_ms_mean=1e3 * self.prefill_s / max(self.prefills, 1))
+                    prefill_ms_mean=1e3 * self.prefill_s / max(self.prefills, 1),
+                    prefill_ms_per_token=1e3 * self.cost.per_token_s,
+                    **{f"throttle_{k}": v for k, v in self.decisions.items()})
 
     # ------------------------------------------------------------------ work
     def _event(self, stream_id: int, flags: int, payload: np.ndarray | None = None, aux: int = 0) -> None:
         self.out.put(payload, kind=MsgKind.EVENT, stream_id=stream_id, flags=flags, aux=aux, timeout=5.0)
 
-    def _release(self, slot: int) -> None:
+    def _free_slot(self, slot: int) -> None:
         self.engine.release(slot)
-        del self.active[slot]
         self.free.append(slot)
         self.free.sort()
 
-    def _admit(self, msg: AddStream) -> None:
-        slot = self.free.pop(0)
-        p = msg.prompt
+    def _release(self, slot: int) -> None:
+        del self.active[slot]
+        self._free_slot(slot)
+
+    def _fail(self, pend: _Pending, e: Exception) -> None:
+        log.warning("stream %d failed at admission: %s", pend.msg.stream_id, e)
+        if pend.slot is not None:
+            self._free_slot(pend.slot)
+        self._event(pend.msg.stream_id, Flags.ERROR | Flags.END,
+                    np.frombuffer(str(e).encode()[:2000], dtype=np.uint8).copy())
+
+    def _start(self, pend: _Pending) -> None:
+        """Build the prompt, take a slot, tell the codec stage about the stream."""
+        msg, p = pend.msg, pend.msg.prompt
+        req = PromptRequest(text=str(p.get("text", "")), language=str(p.get("language") or "auto"),
+                            speaker=p.get("speaker"), instructions=p.get("instructions"),
+                            stream_text=bool(p.get("stream_text", False)))
+        prompt = self.builder.build(req)
+        if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
+            raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "
+                             f"the slot's {self.engine.shape.max_seq_len} positions")
+        pend.prompt = prompt
+        pend.slot = self.free.pop(0)
+        info = np.asarray(list(p.get("chunk", [1, 2000, 8])) + [int(bool(p.get("stream_codes"))),
+                          len(prompt.text_ids)], dtype=np.int64)
+        self._event(msg.stream_id, Flags.FIRST, info)
+
+    def _feed(self, pend: _Pending, n: int) -> bool:
+        """Prefill the next ``n`` prompt positions; True when the stream became active."""
+        prompt, msg = pend.prompt, pend.msg
+        assert prompt is not None and pend.slot is not None
+        final = pend.fed + n >= prompt.length
+        n = prompt.length - pend.fed if final else n
         t0 = time.perf_counter()
-        try:
-            req = PromptRequest(text=str(p.get("text", "")), language=str(p.get("language") or "auto"),
-                                speaker=p.get("speaker"), instructions=p.get("instructions"),
-                                stream_text=bool(p.get("stream_text", False)))
-            prompt = self.builder.build(req)
-            if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
-                raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "
-                                 f"the slot's {self.engine.shape.max_seq_len} positions")
-            info = np.asarray(list(p.get("chunk", [1, 2000, 8])) + [int(bool(p.get("stream_codes"))),
-                              len(prompt.text_ids)], dtype=np.int64)
-            self._event(msg.stream_id, Flags.FIRST, info)
-            code0 = self.engine.prefill(slot, prompt.embeds, prompt.trailing,
-                                        SamplingParams(**msg.sampling()), msg.seed)
-        except Exception as e:  # bad prompt or engine failure: this stream only
-            log.warning("stream %d failed at admission: %s", msg.stream_id, e)
-            self.free.insert(0, slot)
-            self.free.sort()
-            self._event(msg.stream_id, Flags.ERROR | Flags.END,
-                        np.frombuffer(str(e).encode()[:2000], dtype=np.uint8).copy())
-            return
+        code0 = self.engine.prefill(pend.slot, prompt.embeds[pend.fed:pend.fed + n], prompt.trailing,
+                                    SamplingParams(**msg.sampling()), msg.seed, start=pend.fed,
+                                    final=final)
         dt = time.perf_counter() - t0
         stepstats.record("talker.prefill", dt)
         self.prefill_s += dt
+        self._cost_samples.append((n, dt))
+        if len({t for t, _ in self._cost_samples}) >= 2:
+            self.cost = PrefillCostModel.fit(list(self._cost_samples))
+        pend.fed += n
+        if not final:
+            return False
         self.prefills += 1
+        self.pending.remove(pend)
         if code0 == self.eos:  # nothing to say: end at once
-            self.free.insert(0, slot)
-            self.free.sort()
+            self._free_slot(pend.slot)
             self._event(msg.stream_id, Flags.END)
-            return
-        self.active[slot] = _Active(msg.stream_id, 0, msg.max_frames)
+            return True
+        self.active[pend.slot] = _Active(msg.stream_id, 0, msg.max_frames)
+        return True
+
+    def _prefill_decision(self, pend: _Pending) -> Decision:
+        assert pend.prompt is not None
+        left = pend.prompt.length - pend.fed
+        th = self.throttle
+        if not th.enabled:
+            return Decision(Action.RUN, left, 0, reason="throttling off")
+        now = time.monotonic()
+        running = [RunningStream(slack_s(a.frames * self.frame_audio_s, a.first_t, now))
+                   for a in self.active.values()]
+        return decide_prefill([PendingPrefill(left, now - pend.arrived)], running, self.cost,
+                              self.frame_s, th.margin_s, th.max_split_tokens,
+                              min_split_tokens=min(th.min_split_tokens, left),
+                              starvation_s=th.starvation_s)
+
+    def _advance_prefill(self) -> bool:
+        """Work on the head pending stream (FIFO): start it, then prefill what the running
+        streams' playback slack allows. True if anything ran."""
+        pend = self.pending[0]
+        try:
+            if pend.slot is None:
+                if not self.free:
+                    return False
+                self._start(pend)
+            d = self._prefill_decision(pend)
+            self.decisions[d.action.value] += 1
+            if d.action is Action.DEFER:
+                return False
+            self._feed(pend, d.tokens)
+            return True
+        except Exception as e:  # bad prompt or engine failure: this stream only
+            if pend in self.pending:
+                self.pending.remove(pend)
+            self._fail(pend, e)
+            return True
 
     @torch.inference_mode()
     def iterate(self) -> bool:
-        """Admit at most one pending stream, then run one frame for every active slot.
-        Returns True if it did any work."""
+        """Advance the head pending prefill (as far as slack allows), then run one frame for
+        every active slot. Returns True if it did any work."""
         did = False
-        if self.pending and self.free:
-            self._admit(self.pending.popleft())
-            did = True
+        if self.pending:
+            did = self._advance_prefill()
         if not self.active:
             return did
         p = max(self.active) + 1
@@ -148,12 +234,16 @@ class TalkerStage:
         nxt = code0.tolist()
         dt = time.perf_counter() - t0
         stepstats.record("talker.step", dt)
+        self.frame_s = 0.8 * self.frame_s + 0.2 * dt
         self.step_s += dt
         self.steps += 1
         t_ns = time.monotonic_ns()
         t_emit = time.perf_counter()
+        now = time.monotonic()
         for slot, a in list(self.active.items()):
             a.frames += 1
+            if a.first_t is None:
+                a.first_t = now
             last = nxt[slot] == self.eos or a.frames >= a.max_frames
             self.out.put(codes_np[slot:slot + 1], kind=MsgKind.CODES, stream_id=a.stream_id,
                          seq=a.frames - 1, flags=Flags.END if last else 0, enqueue_ns=t_ns,
@@ -174,6 +264,7 @@ class StageSpec:
     max_seq_len: int = 2048
     threads: int = 1
     device: str = "cpu"
+    throttle: bool = True
 
 
 def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
@@ -188,7 +279,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     out = frames_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
-                        out, device=spec.device)
+                        out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle))
     if cp_handles is not None:
         from omni_stream.stages.cp_stage import RemoteResidual
 
