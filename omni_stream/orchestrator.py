@@ -28,7 +28,10 @@ from omni_stream.models.checkpoint import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.models.prompt import assistant_text, instruct_text
 from omni_stream.observability import stepstats
+from omni_stream.models.synthesis import cache_dir
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for
+from omni_stream.scheduling.chunking import CalibrationCache, calibrate
+from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
@@ -69,13 +72,14 @@ class PipelineSettings:
 
 
 class _Stream:
-    __slots__ = ("sid", "queue", "loop", "done")
+    __slots__ = ("sid", "queue", "loop", "done", "arrivals")
 
     def __init__(self, sid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.sid = sid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         self.done = False
+        self.arrivals: list[tuple[int, float]] = []  # (frames, time) per chunk, for calibration
 
 
 class _Pipeline:
@@ -168,6 +172,10 @@ class PipelineBackend:
                                 setting_bytes=settings.kv_budget_bytes
                                 or settings.max_streams * per_slot * self._kv_per_token(dtype_bytes))
         self.adm: AdmissionController | None = None
+        self.schedule = settings.schedule
+        self._calibration = CalibrationCache(
+            cache_dir() / "calibration", fingerprint=self._fingerprint())
+        self._calibrated = False
         self._pipe: _Pipeline | None = None
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
@@ -175,6 +183,14 @@ class PipelineBackend:
         self._completed = 0
         self._failed = 0
         self._lock = threading.Lock()
+
+    def _fingerprint(self) -> str:
+        """Chunk-cost calibration holds for this hardware AND this model/deployment."""
+        import hashlib
+
+        key = [hardware_fingerprint(), str(self.s.model_path), self.s.dtype, self.s.max_streams,
+               self.s.placement, self.s.talker_threads, self.s.codec_threads]
+        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def _kv_per_token(self, dtype_bytes: int) -> int:
         from omni_stream.scheduling import kv_bytes_per_token
@@ -221,7 +237,7 @@ class PipelineBackend:
                    slots_total=self.s.max_streams,
                    slots_free=self.s.max_streams - snap.get("admitted", 0),
                    stage_restarts=self._restarts, streams_completed=self._completed,
-                   streams_failed=self._failed)
+                   streams_failed=self._failed, chunk_policy_calibrated=int(self._calibrated))
         out.update({f"admission_{k}": v for k, v in snap.items()})
         return out
 
@@ -231,6 +247,12 @@ class PipelineBackend:
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)
         log.info("KV budget: %s", self.kv.describe())
+        cached = self._calibration.load()
+        if cached is not None and self.s.schedule == ChunkSchedule():
+            self.schedule = cached.to_schedule()
+            self._calibrated = True
+            log.info("chunk schedule from calibration cache %s: %s", self._calibration.path,
+                     cached.to_dict())
         await asyncio.get_running_loop().run_in_executor(None, self._start_pipeline)
 
     def _start_pipeline(self) -> None:
@@ -286,7 +308,7 @@ class PipelineBackend:
         try:
             if pipe is None:
                 raise BackendError(503, "unavailable", "the model pipeline is restarting", retry_after=2)
-            sched = self.s.schedule
+            sched = self.schedule
             if job.initial_chunk_frames:
                 sched = ChunkSchedule(first=job.initial_chunk_frames, growth=sched.growth,
                                       steady=max(sched.steady, job.initial_chunk_frames))
@@ -350,6 +372,12 @@ class PipelineBackend:
                 stepstats.record_ns("hop.audio.put_get", m.put_ns, m.get_ns)
                 st = self._streams.get(m.stream_id)
                 if st is not None:
+                    n = len(m.payload) if m.kind == MsgKind.CODES and m.payload is not None else \
+                        (len(m.payload) // self.cfg.code2wav.samples_per_frame if m.kind == MsgKind.PCM else 0)
+                    if n:
+                        st.arrivals.append((n, m.get_ns / 1e9))
+                    if m.flags & Flags.END and not self._calibrated:
+                        self._try_calibrate(st.arrivals)
                     self._deliver(st, m)
             now = time.monotonic()
             if now - last_check >= 0.1:
@@ -358,6 +386,17 @@ class PipelineBackend:
                 if not pipe.alive():
                     self._recover(pipe)
                     return
+
+    def _try_calibrate(self, arrivals: list[tuple[int, float]]) -> None:
+        """Fit chunk costs from a finished stream and cache the policy for the next start."""
+        try:
+            policy = calibrate(arrivals)
+        except ValueError:
+            return  # too few chunks or sizes in this stream: wait for another
+        path = self._calibration.store(policy, chunks=len(arrivals))
+        self._calibrated = True
+        log.info("calibrated chunk policy %s (cached at %s; used from the next start)",
+                 policy.to_dict(), path)
 
     def _drain_control(self, pipe: _Pipeline) -> None:
         """Stage timing pushes (StatsReply with request_id -1) -> this process's /metrics."""

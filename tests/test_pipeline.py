@@ -43,6 +43,13 @@ def _synth_reference(ck, text, voice, seed, max_frames):
                         SamplingParams(), seed=seed, max_frames=max_frames)
 
 
+def _close_pcm(a: bytes, b: bytes) -> bool:
+    """Same length and within 1 LSB: identical codes decoded with different (adaptive) chunkings
+    differ only by float rounding."""
+    x, y = np.frombuffer(a, dtype="<i2"), np.frombuffer(b, dtype="<i2")
+    return len(x) == len(y) and (len(x) == 0 or int(np.abs(x.astype(int) - y.astype(int)).max()) <= 1)
+
+
 async def _speech(session, url, **body):
     body.setdefault("model", "qwen3-tts")
     body.setdefault("voice", "ryan")
@@ -79,12 +86,12 @@ def test_streamed_audio_equals_offline_synthesis(tiny_ckpt):
     assert len(audio) == nframes * 1920
     expected = np.clip(ref.audio, -1, 1) * 32767.0
     assert np.abs(audio.astype(np.float64) - expected).max() <= 1.0 + 1e-6
-    assert pcm == pcm2  # same seeded request on an idle server: identical every time
+    assert _close_pcm(pcm, pcm2)  # same seeded request on an idle server: same codes every time
     events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
     done = [e for e in events if e["type"] == "speech.audio.done"]
     sse_pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
-    assert sse_pcm == pcm and len(done) == 1 and done[0]["usage"]["output_tokens"] > 0
+    assert _close_pcm(sse_pcm, pcm) and len(done) == 1 and done[0]["usage"]["output_tokens"] > 0
 
 
 def test_concurrency_cancellation_and_cleanup(tiny_ckpt):
@@ -175,7 +182,7 @@ def test_bad_input_does_not_disturb_running_stream(tiny_ckpt):
             st, _, data = await long_req
             assert st == 200
             ref = await _speech(s, url, input=TEXT, response_format="pcm", seed=5, max_new_tokens=30)
-            assert data == ref[2]
+            assert _close_pcm(data, ref[2])
 
     run_async(main(), timeout=300)
 
@@ -194,7 +201,7 @@ def test_split_placement_gives_identical_audio(tiny_ckpt):
                 out[placement] = [r[2] for r in results]
                 if placement == "split":
                     assert backend._pipe.cp is not None and backend._pipe.cp.is_alive()
-        assert out["split"] == out["together"]
+        assert all(_close_pcm(a, b) for a, b in zip(out["split"], out["together"]))
 
     run_async(main(), timeout=300)
 
@@ -245,6 +252,30 @@ def test_seeded_codes_under_batching(tiny_ckpt):
             return alone, [b[2] for b in batched]
 
     alone, batched = run_async(main(), timeout=300)
-    same = sum(a == b for a, b in zip(alone, batched))
+    same = sum(_close_pcm(a, b) for a, b in zip(alone, batched))
     print(f"seeded streams identical under batching: {same}/{len(texts)}")
     assert same == len(texts)
+
+
+def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
+    """Measured chunk arrivals calibrate the chunk policy, cached per hardware fingerprint and
+    used on the next start."""
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+
+    async def serve_once():
+        backend = PipelineBackend(_settings(tiny_ckpt, schedule=ChunkSchedule()))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            st, _, data = await _speech(s, url, input=TEXT, response_format="pcm", seed=3,
+                                        max_new_tokens=40)
+            assert st == 200 and len(data) > 0
+            return backend.stats()["chunk_policy_calibrated"], backend.schedule
+
+    first, sched0 = run_async(serve_once(), timeout=300)
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert first == 1 and len(files) == 1
+    cached = json.loads(files[0].read_text())
+    second, sched1 = run_async(serve_once(), timeout=300)
+    assert second == 1 and sched0 == ChunkSchedule()
+    from omni_stream.scheduling.chunking import ChunkPolicy
+
+    assert sched1 == ChunkPolicy.from_dict(cached["policy"]).to_schedule()

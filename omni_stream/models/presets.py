@@ -42,8 +42,8 @@ _SIZES: dict[str, dict[str, Any]] = {
                             decoder_dim=64)),
     # between tiny and 0.6B: real-time on a 2-core CPU with prefills that cost whole frames,
     # which is what the scheduling load tests need
-    "small": dict(size="0b6", hidden=512, ffn=1536, layers=8, heads=8, kv=4, head_dim=64,
-                  text_hidden=512, cp_hidden=512, cp_ffn=1536, cp_layers=3, cp_heads=8, cp_kv=4,
+    "small": dict(size="0b6", hidden=512, ffn=1536, layers=6, heads=8, kv=4, head_dim=64,
+                  text_hidden=512, cp_hidden=512, cp_ffn=1536, cp_layers=1, cp_heads=8, cp_kv=4,
                   cp_head_dim=64, spk_dim=512,
                   codec=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=4, head_dim=16,

@@ -20,6 +20,7 @@ import torch
 
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
+from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.transport import Flags, Message, MsgKind, Ring
 
@@ -31,7 +32,7 @@ READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the aud
 @dataclass
 class _Stream:
     slot: int
-    schedule: ChunkSchedule
+    policy: ChunkPolicy
     codes_only: bool
     input_tokens: int
     buf: list[np.ndarray] = field(default_factory=list)
@@ -39,10 +40,22 @@ class _Stream:
     frames_out: int = 0
     ended: bool = False
     first_ns: int = 0
+    first_out_t: float | None = None  # when its first chunk left: the listener's clock origin
+    last_frame_t: float | None = None
+    frame_dt: float = 0.08  # EMA of the time between its frames (generation speed)
+    prev_chunk: int | None = None
+
+    def slack_s(self, now: float) -> float:
+        """Audio sent minus audio played (playback assumed to start at the first chunk)."""
+        if self.first_out_t is None:
+            return 0.0
+        return self.frames_out * self.policy.audio_frame_s - (now - self.first_out_t)
 
 
 class CodecStage:
-    def __init__(self, model: Code2Wav, max_slots: int, out: Ring, max_chunk: int = 32) -> None:
+    def __init__(self, model: Code2Wav, max_slots: int, out: Ring, max_chunk: int = 32,
+                 min_slack_s: float = 0.16) -> None:
+        self.min_slack_s = min_slack_s
         self.dec = Code2WavStream(model, max_slots)
         self.spf = model.samples_per_frame
         self.out = out
@@ -65,8 +78,10 @@ class CodecStage:
                 return
             slot = self.free.pop(0)
             self.dec.reset(slot)
-            self.streams[sid] = _Stream(slot, ChunkSchedule.from_list(info[:3]), bool(info[3]),
-                                        int(info[4]), first_ns=m.enqueue_ns)
+            sched = ChunkSchedule.from_list(info[:3])
+            policy = ChunkPolicy(first=sched.first, steady=sched.steady, growth=sched.growth,
+                                 min_slack_s=self.min_slack_s)
+            self.streams[sid] = _Stream(slot, policy, bool(info[3]), int(info[4]), first_ns=m.enqueue_ns)
             return
         st = self.streams.get(sid)
         if m.kind == MsgKind.EVENT:
@@ -85,6 +100,10 @@ class CodecStage:
             log.warning("frame for unknown stream %d dropped", sid)
             return
         st.buf.append(m.payload)
+        now = time.monotonic()
+        if st.last_frame_t is not None:
+            st.frame_dt = 0.8 * st.frame_dt + 0.2 * (now - st.last_frame_t)
+        st.last_frame_t = now
         if m.flags & Flags.END:
             st.ended = True
 
@@ -99,11 +118,15 @@ class CodecStage:
 
     def _ready(self) -> list[tuple[int, _Stream, int]]:
         out = []
+        now = time.monotonic()
+        decode_ms = 1e3 * self.decode_s / max(self.decoded_frames, 1)
         for sid, st in self.streams.items():
             have = len(st.buf)
             if not have:
                 continue
-            want = st.schedule.size(st.chunks)
+            # adaptive: grow toward the steady size only while the listener's buffer allows
+            want = st.policy.next_chunk(st.chunks, st.slack_s(now), st.frame_dt, decode_ms,
+                                        prev=st.prev_chunk)
             if have >= want or st.ended:
                 n = min(have, self.max_chunk) if have >= want else have
                 out.append((sid, st, n))
@@ -138,6 +161,9 @@ class CodecStage:
     def _emit(self, sid: int, st: _Stream, n: int, pcm: np.ndarray | None) -> None:
         frames = np.concatenate(st.buf[:n], axis=0)
         del st.buf[:n]
+        if st.first_out_t is None:
+            st.first_out_t = time.monotonic()
+        st.prev_chunk = n
         st.chunks += 1
         st.frames_out += n
         last = st.ended and not st.buf
