@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['underruns']:>9} {s['underrun_s']:6.2f} | {s['realtime_streams']}/{s['streams']}")
     doc = dict(label=args.label, model=args.model or args.url, prebuffer_s=args.prebuffer,
                summaries=summaries, streams=results,
-               command="python benchmarks/tts/stream_latency_bench.py " + " ".join(argv or sys.argv[1:]))
+               command="python benchmarks/tts/stream_latency_bench.py " + shlex.join(argv or sys.argv[1:]))
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
     return 0

@@ -69,6 +69,7 @@ class TalkerStage:
                  device: str = "cpu", throttle: ThrottleSettings | None = None) -> None:
         self.model = model
         self.engine = FrameEngine(model.weights.talker, shape, device=device)
+        self._step = self.engine.step  # replaced by a CUDA-graph runner on GPUs (enable_graphs)
         self.builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
         self.out = out
         self.eos = model.config.talker.special.codec_eos
@@ -110,6 +111,12 @@ class TalkerStage:
                 self._release(slot)
                 self._event(stream_id, Flags.END, aux=CANCELLED)
                 return
+
+    def enable_graphs(self) -> None:
+        """Capture the frame step as CUDA graphs (one per padded batch size)."""
+        from omni_stream.models.graphs import GraphedStep
+
+        self._step = GraphedStep(self.engine, enabled=True).step
 
     def stats(self) -> dict[str, float]:
         return dict(active=len(self.active), pending=len(self.pending), free_slots=len(self.free),
@@ -229,7 +236,7 @@ class TalkerStage:
             return did
         p = max(self.active) + 1
         t0 = time.perf_counter()
-        codes, code0 = self.engine.step(p)
+        codes, code0 = self._step(p)
         codes_np = codes.cpu().numpy()
         nxt = code0.tolist()
         dt = time.perf_counter() - t0
@@ -280,6 +287,8 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
                         out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle))
+    if spec.device.startswith("cuda") and cp_handles is None:
+        stage.enable_graphs()
     if cp_handles is not None:
         from omni_stream.stages.cp_stage import RemoteResidual
 

@@ -1,0 +1,505 @@
+"""Render the benchmark results: SUMMARY.md, summary.json and PNG plots, from the JSON files.
+
+Reads every ``*.json`` under ``--results`` (default benchmarks/tts/results/) and writes there:
+
+  SUMMARY.md    one section per file: known files (frame_bench, code2wav_bench, transport_bench,
+                fidelity_bench, attribution*, stream_latency*, official_compare,
+                cpu_thread_sweep, gpu_frame_bench) as purpose-made tables, anything else
+                flattened generically; the headline numbers of summary.json on top.
+  summary.json  headline numbers, each taken from the newest file that holds it, with the
+                ``command`` that produced it (``commands``), where it came from (``sources``),
+                and, for a number that cannot be computed, null plus the reason (``missing``).
+                Nothing is estimated or carried over from an earlier summary.
+  plots/        TTFA p50/p95 and RTF vs concurrency (one line per stream_latency*.json run) and
+                a chunk-arrival timeline of one stream: cumulative audio delivered vs real-time
+                playback started at the first chunk (below the line = the player starves).
+
+    python benchmarks/tts/summarize.py [--results DIR] [--no-plots]
+
+Plots need matplotlib (``pip install matplotlib``); without it the tables and summary.json are
+still written and the script says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fnmatch
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "tts" / "results"
+OWN_OUTPUTS = ("summary.json",)
+HEADLINE = ("speedup_vs_official_per_frame", "ttfa_ms_p50_c1_0_6b", "rtf_c1_0_6b",
+            "stateful_vs_window_decode_ratio", "max_realtime_streams_cpu_tiny",
+            "ttfa_ms_p50_c1_0_6b_cuda", "rtf_c1_0_6b_cuda")
+
+
+# ----------------------------------------------------------------------------- markdown helpers
+def cell(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        a = abs(v)
+        return f"{v:.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(cell(x) for x in v) if len(v) <= 8 else f"[{len(v)} items]"
+    if isinstance(v, dict):
+        return f"{{{len(v)} keys}}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    if not rows:
+        return "_(no rows)_\n"
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def dict_table(rows: list[dict], keys: list[str] | None = None) -> str:
+    rows = [flatten(r) for r in rows]
+    if keys is None:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+    return table(keys, [[r.get(k) for k in keys] for r in rows])
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> dotted keys; lists of scalars stay (rendered inline), others by length."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict):
+                out.update(flatten(v, key))
+            elif isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):
+                out[key] = f"[{len(v)} items]"
+            else:
+                out[key] = v
+    else:
+        out[prefix or "value"] = obj
+    return out
+
+
+def meta_line(doc: dict, keys: tuple[str, ...]) -> str:
+    parts = [f"{k}: `{cell(doc[k])}`" for k in keys if k in doc and doc[k] not in (None, "")]
+    cmd = f"\n\nCommand: `{doc['command']}`" if doc.get("command") else ""
+    return ("; ".join(parts) + cmd + "\n\n") if parts or cmd else ""
+
+
+# ----------------------------------------------------------------------------- renderers
+def _collect(obj: Any, path: str, scalars: list, tables: list) -> None:
+    """Scalar leaves -> (dotted path, value); every list of dicts -> (path, rows)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _collect(v, f"{path}.{k}" if path else str(k), scalars, tables)
+    elif isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        tables.append((path, obj))
+    elif isinstance(obj, list) and any(isinstance(x, (dict, list)) for x in obj):
+        for i, x in enumerate(obj):
+            _collect(x, f"{path}[{i}]", scalars, tables)
+    else:
+        scalars.append((path or "value", obj))
+
+
+def r_generic(doc: Any) -> str:
+    """Any JSON: one key/value table of the scalar leaves, one table per list of objects."""
+    scalars: list[tuple[str, Any]] = []
+    tables: list[tuple[str, list]] = []
+    _collect(doc, "", scalars, tables)
+    cmd = doc.get("command") if isinstance(doc, dict) else None
+    md = table(["key", "value"], [[k, v] for k, v in scalars if k != "command"])
+    if cmd:
+        md += f"\nCommand: `{cmd}`\n"
+    for path, rows in tables:
+        md += f"\n**{path or 'rows'}**\n\n" + dict_table(rows)
+    return md
+
+
+def r_frame_bench(d: dict) -> str:
+    md = meta_line(d, ("model", "frames"))
+    md += "omni-stream per frame (ms):\n\n" + dict_table(d["ours"], [
+        "dtype", "threads", "talker_ms", "cp_ms", "frame_ms", "code2wav_stream_ms", "floor_ms",
+        "x_floor", "speedup_vs_official"])
+    if d.get("official"):
+        md += "\nofficial qwen-tts per frame (ms):\n\n" + dict_table(
+            d["official"], ["dtype", "threads", "frame_ms", "code2wav_onepass_ms", "frames"])
+    md += "\nbest per dtype (each side at its best thread count):\n\n"
+    return md + table(["dtype", *next(iter(d["best"].values())).keys()],
+                      [[k, *v.values()] for k, v in d["best"].items()])
+
+
+def r_code2wav(d: dict) -> str:
+    md = meta_line(d, ("config", "threads", "repeats", "context_frames", "cpu", "torch", "wall_s"))
+    rows = {(r["dtype"], r["batch"], r["chunk"], r["mode"].startswith("window")): r for r in d["rows"]}
+    keys = sorted({k[:3] for k in rows}, key=lambda k: (k[0], k[1], k[2]))
+    out = []
+    for dt_, b, c in keys:
+        s, w = rows.get((dt_, b, c, False)), rows.get((dt_, b, c, True))
+        out.append([dt_, b, c, s and s["ms_per_stream_frame"], s and s["rtf"],
+                    w and w["ms_per_stream_frame"],
+                    w["ms_per_stream_frame"] / s["ms_per_stream_frame"] if s and w else None])
+    return md + table(["dtype", "batch", "chunk", "stream ms/frame", "stream RTF",
+                       f"window{d.get('context_frames', '')} ms/frame", "window / stream"], out)
+
+
+def r_transport(d: dict) -> str:
+    return meta_line(d, ("hop", "n", "interval_us", "start_method", "cpu")) + dict_table(
+        d["rows"], ["payload", "transport", "median_us", "p99_us", "mean_us", "max_us", "put_median_us"])
+
+
+def r_fidelity(d: dict) -> str:
+    return meta_line(d, ("model", "seconds")) + dict_table(
+        d["rows"], ["path", "prompt", "frames", "first_diff_frame", "agreement_codebook0", "agreement_all"])
+
+
+def r_attribution(d: dict) -> str:
+    md = meta_line(d, ("frames", "frames_source", "frame_ms"))
+    md += dict_table(d["phases"], ["phase", "role", "parent", "count", "mean_ms", "p50_ms",
+                                   "p99_ms", "per_frame_ms", "share"])
+    c = d.get("critical") or {}
+    if c:
+        md += (f"\nCritical path: {cell(c.get('sum_ms'))} ms of a measured "
+               f"{cell(c.get('frame_total_ms'))} ms frame (ratio {cell(c.get('ratio'))}, "
+               f"within tolerance: {cell(c.get('within_tolerance'))}).\n")
+    return md
+
+
+def r_stream_latency(d: dict) -> str:
+    return meta_line(d, ("label", "model", "prebuffer_s")) + dict_table(d["summaries"], [
+        "concurrency", "streams", "ttfa_ms_p50", "ttfa_ms_p95", "ttfa_ms_p99", "rtf_mean",
+        "max_gap_ms", "underruns", "underrun_s", "realtime_streams"])
+
+
+def r_official(d: dict) -> str:
+    md = meta_line(d, ("model", "dtype", "threads", "max_new_tokens", "chunk", "cpu"))
+    md += table(["median over texts (official / ours)", "value"],
+                [[k, d.get(k)] for k in ("speedup_vs_official_per_frame", "generate_s_ratio_median",
+                                         "total_s_ratio_median", "decode_ratio_vs_stream_median",
+                                         "decode_ratio_vs_onepass_median")])
+    rows = [[i, r["official"]["frames"], r["ours"]["frames"], r["official"]["generate_s"],
+             r["ours"]["generate_s"], r["official"]["ms_per_frame"], r["ours"]["ms_per_frame"],
+             r["ratio_ms_per_frame"], r["official"]["decode_ms_per_frame"],
+             r["ours"]["decode_stream_ms_per_frame"], r["ours"]["decode_onepass_ms_per_frame"]]
+            for i, r in enumerate(d["rows"])]
+    return md + "\n" + table(["text", "frames off", "frames ours", "gen s off", "gen s ours",
+                              "ms/frame off", "ms/frame ours", "ratio", "codec ms/fr off",
+                              f"codec ms/fr ours c{d.get('chunk')}", "codec ms/fr ours 1-pass"], rows)
+
+
+def r_thread_sweep(d: dict) -> str:
+    md = meta_line(d, ("model", "cpu_count", "requests_per_level", "max_new_tokens", "best", "ranking"))
+    rows = []
+    for e in d["settings"]:
+        for lv in e["levels"]:
+            ph = lv.get("phases", {})
+            cp = ph.get("cp.predict" if e["placement"] == "split" else "talker.code_predictor", {})
+            rows.append([e["setting"], "best" if e.get("best") else "naive" if e.get("naive") else "",
+                         lv["concurrency"], lv["ttfa_ms_p50"], lv["ttfa_ms_p95"], lv["rtf_mean"],
+                         lv["underruns"], ph.get("talker.step", {}).get("mean_ms"), cp.get("mean_ms"),
+                         ph.get("codec.decode", {}).get("mean_ms"),
+                         ph.get("codec.decode", {}).get("per_frame_ms")])
+    return md + table(["setting", "flag", "conc", "TTFA p50 ms", "p95", "RTF", "underruns",
+                       "talker.step ms", "code predictor ms", "codec.decode ms/call",
+                       "codec.decode ms/frame"], rows)
+
+
+def r_gpu_frame(d: dict) -> str:
+    md = meta_line(d, ("model", "device_name", "dtype", "torch", "max_seq_len", "frames", "sampling"))
+    md += dict_table(d["rows"], ["mode", "streams", "bucket", "ms_per_step_p50", "ms_per_step_p90",
+                                 "ms_per_stream_frame", "x_realtime", "frames_per_s"])
+    if d.get("graphs_speedup"):
+        md += "\nCUDA graphs speed-up (eager / graphs): " + ", ".join(
+            f"{k} streams {cell(v)}x" for k, v in d["graphs_speedup"].items()) + "\n"
+    return md
+
+
+RENDERERS: list[tuple[str, Callable[[dict], str]]] = [
+    ("frame_bench*.json", r_frame_bench), ("code2wav_bench*.json", r_code2wav),
+    ("transport_bench*.json", r_transport), ("fidelity_bench*.json", r_fidelity),
+    ("attribution*.json", r_attribution), ("stream_latency*.json", r_stream_latency),
+    ("official_compare*.json", r_official), ("cpu_thread_sweep*.json", r_thread_sweep),
+    ("gpu_frame_bench*.json", r_gpu_frame)]
+
+
+def render(name: str, doc: Any) -> str:
+    for pattern, fn in RENDERERS:
+        if fnmatch.fnmatch(name, pattern) and isinstance(doc, dict):
+            try:
+                return fn(doc)
+            except (KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:
+                return f"_(layout not recognised by {fn.__name__}: {e!r}; generic view)_\n\n" + r_generic(doc)
+    return r_generic(doc)
+
+
+# ----------------------------------------------------------------------------- summary.json
+def _norm(s: Any) -> str:
+    return "".join(ch for ch in str(s or "").lower() if ch.isalnum())
+
+
+def is_cuda(doc: dict) -> bool:
+    text = f"{doc.get('command', '')} {doc.get('label', '')}".lower()
+    return "--device cuda" in text or "cuda" in _norm(doc.get("label")) or "gpu" in _norm(doc.get("label"))
+
+
+def latency_runs(files: dict[str, tuple[float, Any]]) -> list[tuple[str, dict]]:
+    """stream_latency*.json documents, newest first."""
+    runs = [(n, d) for n, (_, d) in files.items()
+            if fnmatch.fnmatch(n, "stream_latency*.json") and isinstance(d, dict) and d.get("summaries")]
+    return sorted(runs, key=lambda nd: -files[nd[0]][0])
+
+
+def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dict:
+    values: dict[str, Any] = {k: None for k in HEADLINE}
+    commands: dict[str, str | None] = {k: None for k in HEADLINE}
+    sources: dict[str, dict] = {}
+    missing: dict[str, str] = {}
+    missing_cmd: dict[str, str] = {}
+
+    def newest(pattern: str) -> tuple[str, dict] | None:
+        hits = [(n, d) for n, (_, d) in files.items() if fnmatch.fnmatch(n, pattern) and isinstance(d, dict)]
+        return max(hits, key=lambda nd: files[nd[0]][0]) if hits else None
+
+    def put(key: str, value: Any, name: str, doc: dict, detail: str) -> None:
+        values[key] = value
+        commands[key] = doc.get("command")
+        sources[key] = {"file": name, "detail": detail}
+        if not doc.get("command"):
+            missing_cmd[key] = f"{name} has no 'command' field"
+
+    # speedup vs official
+    oc, fb = newest("official_compare*.json"), newest("frame_bench*.json")
+    if oc and isinstance(oc[1].get("speedup_vs_official_per_frame"), (int, float)):
+        put("speedup_vs_official_per_frame", oc[1]["speedup_vs_official_per_frame"], oc[0], oc[1],
+            f"median over texts of official / ours ms per frame ({oc[1].get('dtype')}, "
+            f"{oc[1].get('threads')} threads)")
+    elif fb and isinstance(fb[1].get("best", {}).get("bf16", {}).get("speedup"), (int, float)):
+        put("speedup_vs_official_per_frame", fb[1]["best"]["bf16"]["speedup"], fb[0], fb[1],
+            "fallback: frame_bench best bf16 speedup (each side at its best thread count)")
+    else:
+        missing["speedup_vs_official_per_frame"] = (
+            "no official_compare.json with speedup_vs_official_per_frame and no frame_bench.json "
+            "with an official bf16 run")
+
+    # streaming latency of the 0.6B shape at concurrency 1 (CPU, and CUDA separately)
+    runs = latency_runs(files)
+    for suffix, want_cuda in (("", False), ("_cuda", True)):
+        k_ttfa, k_rtf = f"ttfa_ms_p50_c1_0_6b{suffix}", f"rtf_c1_0_6b{suffix}"
+        found = None
+        for name, d in runs:
+            if "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and is_cuda(d) == want_cuda:
+                c1 = [s for s in d["summaries"] if s.get("concurrency") == 1]
+                if c1:
+                    found = (name, d, c1[0])
+                    break
+        if found:
+            name, d, s = found
+            where = f"label {d.get('label')!r}, model {d.get('model')!r}, concurrency 1"
+            put(k_ttfa, s["ttfa_ms_p50"], name, d, where)
+            put(k_rtf, s["rtf_mean"], name, d, where + ", mean RTF over streams")
+        else:
+            why = (f"no stream_latency*.json on {'CUDA' if want_cuda else 'CPU'} whose label or "
+                   "model names 0.6b with a concurrency-1 level")
+            missing[k_ttfa] = missing[k_rtf] = why
+
+    # stateful (exact streaming) vs 25-frame window decode
+    cw = newest("code2wav_bench*.json")
+    key = "stateful_vs_window_decode_ratio"
+    if cw and isinstance(cw[1].get("rows"), list):
+        rows = [r for r in cw[1]["rows"] if r.get("dtype") in ("bfloat16", "bf16") and r.get("batch") == 1]
+        st = {r["chunk"]: r["ms_per_stream_frame"] for r in rows if r.get("mode") == "stream"}
+        wi = {r["chunk"]: r["ms_per_stream_frame"] for r in rows if str(r.get("mode")).startswith("window")}
+        by_chunk = {c: wi[c] / st[c] for c in sorted(set(st) & set(wi)) if st[c] > 0}
+        if decode_chunk in by_chunk:
+            put(key, by_chunk[decode_chunk], cw[0], cw[1],
+                f"window ms/frame / stateful ms/frame, bf16, batch 1, chunk {decode_chunk}; "
+                "by chunk: " + ", ".join(f"{c}: {v:.2f}" for c, v in by_chunk.items()))
+        else:
+            missing[key] = (f"{cw[0]} has no bf16 batch-1 stream and window rows at chunk "
+                            f"{decode_chunk} (chunks with both: {sorted(by_chunk)})")
+    else:
+        missing[key] = "no code2wav_bench.json"
+
+    # real-time streams of the tiny model on CPU
+    key = "max_realtime_streams_cpu_tiny"
+    for name, d in runs:
+        tagged = "tiny" in f"{d.get('label')} {d.get('model')}".lower() or d.get("model") == "default"
+        if tagged and not is_cuda(d):
+            ok = [s["concurrency"] for s in d["summaries"]
+                  if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
+            levels = sorted(s["concurrency"] for s in d["summaries"])
+            best = max(ok, default=0)
+            note = " (every level tested passed: a lower bound)" if best == levels[-1] else ""
+            put(key, best, name, d, f"highest concurrency with zero underruns in every stream; "
+                f"levels tested {levels}{note}")
+            break
+    else:
+        missing[key] = "no CPU stream_latency*.json labelled tiny (or model 'default')"
+    return dict(**values, commands=commands, sources=sources, missing=missing,
+                missing_commands=missing_cmd)
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_all(files: dict[str, tuple[float, Any]], plots: Path, timeline: str | None,
+             t_conc: int | None, t_stream: int | None) -> list[tuple[str, str]]:
+    """Write the PNGs; returns (title, path relative to the results folder)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.ticker
+    import matplotlib.pyplot as plt
+
+    plots.mkdir(parents=True, exist_ok=True)
+    runs = latency_runs(files)
+    made: list[tuple[str, str]] = []
+    if not runs:
+        return made
+
+    def _conc_axis(ax, runs) -> None:  # log2 axis labelled with the tested levels
+        levels = sorted({s["concurrency"] for _, d in runs for s in d["summaries"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, labels=[str(c) for c in levels])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+    def label(name: str, d: dict) -> str:
+        return str(d.get("label") or d.get("model") or Path(name).stem)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, d) in enumerate(runs):
+        s = sorted(d["summaries"], key=lambda x: x["concurrency"])
+        c = [x["concurrency"] for x in s]
+        line, = ax.plot(c, [x["ttfa_ms_p50"] for x in s], "o-", label=f"{label(name, d)} p50")
+        ax.plot(c, [x["ttfa_ms_p95"] for x in s], "s--", color=line.get_color(),
+                label=f"{label(name, d)} p95")
+    ax.set(xlabel="concurrent streams", ylabel="time to first audio (ms)", title="TTFA vs concurrency")
+    _conc_axis(ax, runs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plots / "ttfa_vs_concurrency.png", dpi=120)
+    plt.close(fig)
+    made.append(("TTFA p50/p95 vs concurrency", "plots/ttfa_vs_concurrency.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, d in runs:
+        s = sorted(d["summaries"], key=lambda x: x["concurrency"])
+        ax.plot([x["concurrency"] for x in s], [x["rtf_mean"] for x in s], "o-", label=label(name, d))
+    ax.axhline(1.0, color="grey", lw=1, ls=":", label="real time (RTF 1)")
+    ax.set(xlabel="concurrent streams", ylabel="RTF (wall / audio, lower is better)",
+           title="Real-time factor vs concurrency")
+    _conc_axis(ax, runs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plots / "rtf_vs_concurrency.png", dpi=120)
+    plt.close(fig)
+    made.append(("RTF vs concurrency", "plots/rtf_vs_concurrency.png"))
+
+    src = [(n, d) for n, d in runs if n == timeline] if timeline else runs
+    src = [(n, d) for n, d in src if d.get("streams")]
+    if not src:
+        return made
+    name, d = src[0]
+    levels = sorted(d["streams"], key=int)
+    lv = str(t_conc) if t_conc is not None and str(t_conc) in d["streams"] else levels[-1]
+    streams = d["streams"][lv]
+    idx = t_stream if t_stream is not None and 0 <= t_stream < len(streams) else max(
+        range(len(streams)), key=lambda i: streams[i].get("max_gap_ms", 0))
+    st = streams[idx]
+    arr, dur = st["arrivals_s"], st["durations_s"]
+    cum, total = [], 0.0
+    for x in dur:
+        total += x
+        cum.append(total)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.step([0.0] + arr, [0.0] + cum, where="post", label="audio delivered (cumulative)")
+    t0 = arr[0]
+    ax.plot([t0, t0 + total], [0, total], "k--", lw=1, label="real-time playback from first chunk")
+    ax.plot(arr, cum, ".", ms=4)
+    ax.set(xlabel="time since request (s)", ylabel="audio (s)",
+           title=f"{label(name, d)}: stream {idx} at concurrency {lv} "
+                 f"(TTFA {st['ttfa_ms']:.0f} ms, {st['underruns']} underruns)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = f"plots/timeline_{Path(name).stem}.png"
+    fig.savefig(plots.parent / out, dpi=120)
+    plt.close(fig)
+    made.append((f"Chunk arrivals vs playback: {name}, concurrency {lv}, stream {idx}", out))
+    return made
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON files")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--decode-chunk", type=int, default=4,
+                    help="chunk size for stateful_vs_window_decode_ratio (code2wav_bench rows)")
+    ap.add_argument("--timeline", default=None, help="stream_latency*.json file name for the timeline")
+    ap.add_argument("--timeline-concurrency", type=int, default=None, help="default: highest level")
+    ap.add_argument("--timeline-stream", type=int, default=None, help="default: largest max gap")
+    args = ap.parse_args(argv)
+    res: Path = args.results
+    if not res.is_dir():
+        raise SystemExit(f"{res} is not a folder of results: run the benchmarks first")
+    files: dict[str, tuple[float, Any]] = {}
+    bad: list[str] = []
+    for p in sorted(res.glob("*.json")):
+        if p.name in OWN_OUTPUTS:
+            continue
+        try:
+            files[p.name] = (p.stat().st_mtime, json.loads(p.read_text()))
+        except (OSError, ValueError) as e:
+            bad.append(f"{p.name}: {e}")
+    summary = build_summary(files, args.decode_chunk)
+    summary = dict(generated_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                   generated_by="python benchmarks/tts/summarize.py " + " ".join(
+                       argv if argv is not None else sys.argv[1:]),
+                   **summary, unreadable=bad)
+    (res / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    plots, plot_msg = [], ""
+    if not args.no_plots:
+        try:
+            plots = plot_all(files, res / "plots", args.timeline, args.timeline_concurrency,
+                             args.timeline_stream)
+        except ImportError:
+            plot_msg = ("matplotlib is not installed: plots skipped. Install it with "
+                        "`pip install matplotlib` (or pass --no-plots).")
+    md = ["# omni-stream TTS benchmark results", "",
+          f"Generated by `benchmarks/tts/summarize.py` at {summary['generated_at']} from the JSON "
+          "files in this folder; do not edit, re-run the script.", "", "## Headline numbers", "",
+          table(["key", "value", "source", "how", "command"],
+                [[k, summary[k], (summary["sources"].get(k) or {}).get("file") or "missing",
+                  (summary["sources"].get(k) or {}).get("detail") or summary["missing"].get(k),
+                  f"`{summary['commands'][k]}`" if summary["commands"].get(k)
+                  else summary["missing_commands"].get(k)]
+                 for k in HEADLINE])]
+    if plots:
+        md += ["## Plots", ""] + [f"### {t}\n\n![{t}]({p})\n" for t, p in plots]
+    for name, (_, doc) in files.items():
+        md += [f"## {name}", "", render(name, doc)]
+    if bad:
+        md += ["## Unreadable files", ""] + [f"- {b}" for b in bad] + [""]
+    (res / "SUMMARY.md").write_text("\n".join(md))
+    print(f"wrote {res / 'SUMMARY.md'} and {res / 'summary.json'}"
+          + (f" and {len(plots)} plots in {res / 'plots'}" if plots else ""))
+    for k in HEADLINE:
+        print(f"  {k:34} {cell(summary[k]):>10}  {summary['missing'].get(k, '')}")
+    if plot_msg:
+        print(plot_msg, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
