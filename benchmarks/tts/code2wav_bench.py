@@ -141,6 +141,10 @@ def main() -> None:
         note="random weights; median of repeats after one warm-up; window baseline uses the "
              "same kernels from a fresh state (25 context + n new frames per call)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    import shlex
+    import sys
+
+    result["command"] = "python benchmarks/tts/code2wav_bench.py " + shlex.join(sys.argv[1:])
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out} ({wall:.0f} s)")
 
