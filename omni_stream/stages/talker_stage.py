@@ -58,7 +58,7 @@ class ThrottleSettings:
     """Playback-slack prefill throttling (see omni_stream.scheduling.throttle)."""
 
     enabled: bool = True
-    margin_s: float = 0.04
+    margin_s: float = 0.12  # covers frames still buffered in the codec stage (not yet delivered)
     max_split_tokens: int = 64
     min_split_tokens: int = 8
     starvation_s: float = 2.0
