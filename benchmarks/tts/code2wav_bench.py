@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -29,21 +28,13 @@ import torch
 from omni_stream.config import Code2WavConfig
 from omni_stream.models.code2wav import (DEFAULT_GEMM_MIN_CHANNELS, Code2Wav, Code2WavStream,
                                          random_code2wav_state_dict)
+from omni_stream.scheduling.fingerprint import fingerprint_info
 
 log = logging.getLogger("code2wav_bench")
 FRAME_MS = 80.0
 CONTEXT = 25
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -136,7 +127,7 @@ def main() -> None:
         benchmark="code2wav_stream_decode", config="Code2WavConfig() (released dims)",
         frame_ms=FRAME_MS, context_frames=CONTEXT, repeats=args.repeats, threads=args.threads,
         gemm_min_channels=args.gemm_min_channels,
-        torch=torch.__version__, cpu=_cpu_name(), cpu_count=os.cpu_count(),
+        torch=torch.__version__, cpu=fingerprint_info()["cpu_model"], cpu_count=os.cpu_count(),
         load_avg_at_end=os.getloadavg(), wall_s=round(wall, 1), rows=rows,
         note="random weights; median of repeats after one warm-up; window baseline uses the "
              "same kernels from a fresh state (25 context + n new frames per call)")

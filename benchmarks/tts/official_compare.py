@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.stream_latency_bench import TEXTS  # noqa: E402
+from omni_stream.scheduling.fingerprint import fingerprint_info  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -49,15 +49,6 @@ WARM_ID = "warmup"
 WARM_FRAMES = 4
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _voice(model_dir: Path) -> tuple[str, str | None, str | None]:
@@ -250,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                f"Code2WavStream at {args.chunk} frames per call and one pass",
                "total_s = generate_s + one-pass decode on each side",
                "the sides run one after the other in this process / its child, never at once"],
-        torch=__import__("torch").__version__, cpu=_cpu_name(), cpu_count=os.cpu_count(),
+        torch=__import__("torch").__version__, cpu=fingerprint_info()["cpu_model"], cpu_count=os.cpu_count(),
         load_avg_at_end=list(os.getloadavg()), wall_s=round(time.perf_counter() - t0, 1),
         command=shlex.join(["python", "benchmarks/tts/official_compare.py",
                                   *(sys.argv[1:] if argv is None else argv)]))

@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from omni_stream.transport import Ring, SegmentRegistry  # noqa: E402
+from omni_stream.scheduling.fingerprint import fingerprint_info  # noqa: E402
 
 PAYLOADS = {
     "codes int64 16x2048": lambda: np.arange(16 * 2048, dtype=np.int64).reshape(16, 2048),
@@ -203,7 +204,7 @@ def main() -> None:
         "n": args.n, "warmup": args.warmup, "interval_us": args.interval_us,
         "spin_us": args.spin_us, "start_method": args.start_method,
         "python": platform.python_version(), "numpy": np.__version__,
-        "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+        "cpu": fingerprint_info()["cpu_model"], "cpu_count": os.cpu_count(),
         "load_avg_at_end": list(os.getloadavg()), "wall_s": round(time.monotonic() - t0, 1),
         "rows": rows,
     }
@@ -212,15 +213,6 @@ def main() -> None:
     print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
