@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 log = logging.getLogger("omni_stream")
 

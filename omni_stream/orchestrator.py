@@ -12,6 +12,7 @@ streams in flight (they get a BackendError, never a hang), and restarts the pipe
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -21,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
-import numpy as np
 
 from omni_stream.config import ModelConfig
 from omni_stream.models.checkpoint import read_config
@@ -29,7 +29,7 @@ from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.models.prompt import assistant_text, instruct_text
 from omni_stream.observability import stepstats
 from omni_stream.models.synthesis import cache_dir
-from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for
+from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import CalibrationCache, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
@@ -167,10 +167,10 @@ class PipelineBackend:
         self._ids = itertools.count(1)
         self._streams: dict[int, _Stream] = {}
         dtype_bytes = 2 if settings.dtype in ("bfloat16", "float16") else 4
-        per_slot = settings.max_seq_len
+        static_cache = (settings.max_streams * settings.max_seq_len
+                        * kv_bytes_per_token(self.cfg, dtype_bytes).flat_per_token)
         self.kv = kv_budget_for(self.cfg, dtype_bytes=dtype_bytes, headroom=1.0,
-                                setting_bytes=settings.kv_budget_bytes
-                                or settings.max_streams * per_slot * self._kv_per_token(dtype_bytes))
+                                setting_bytes=settings.kv_budget_bytes or static_cache)
         self.adm: AdmissionController | None = None
         self.schedule = settings.schedule
         self._calibration = CalibrationCache(
@@ -182,20 +182,12 @@ class PipelineBackend:
         self._restarts = 0
         self._completed = 0
         self._failed = 0
-        self._lock = threading.Lock()
 
     def _fingerprint(self) -> str:
         """Chunk-cost calibration holds for this hardware AND this model/deployment."""
-        import hashlib
-
         key = [hardware_fingerprint(), str(self.s.model_path), self.s.dtype, self.s.max_streams,
                self.s.placement, self.s.talker_threads, self.s.codec_threads]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-
-    def _kv_per_token(self, dtype_bytes: int) -> int:
-        from omni_stream.scheduling import kv_bytes_per_token
-
-        return kv_bytes_per_token(self.cfg, dtype_bytes).flat_per_token
 
     def prompt_tokens(self, job: SpeechJob) -> int:
         """Talker positions the prompt will take (an upper bound; exact for text and instruction)."""

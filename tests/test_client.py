@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 
-import numpy as np
 import pytest
 import soundfile as sf
 
