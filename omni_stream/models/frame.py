@@ -44,7 +44,7 @@ class FrameEngine:
         self.cfg: TalkerConfig = talker.cfg
         self.shape = shape
         self.device = torch.device(device)
-        wdtype = talker.codec_head.weight.dtype
+        wdtype = talker.model.codec_embedding.weight.dtype  # (linears may be quantized)
         self.dtype = wdtype
         cdtype = cache_dtype or wdtype
         lm, cp = self.cfg.lm, self.cfg.code_predictor

@@ -94,7 +94,7 @@ class PromptBuilder:
         self.validate(req)
         t = self.talker
         sp = self.cfg.talker.special
-        dev = t.codec_head.weight.device
+        dev = t.model.codec_embedding.weight.device
         lang_id = self.resolve_language(req.language)
         speaker = req.speaker.lower() if req.speaker else None
         if speaker is not None and (req.language or "auto").lower() in ("chinese", "auto"):
@@ -122,7 +122,7 @@ class PromptBuilder:
         if speaker is not None:
             codec_parts.append(cemb([self.cfg.talker.speakers[speaker]]))
         elif req.speaker_embedding is not None:
-            codec_parts.append(req.speaker_embedding.to(dev, t.codec_head.weight.dtype).view(1, -1))
+            codec_parts.append(req.speaker_embedding.to(dev, t.model.codec_embedding.weight.dtype).view(1, -1))
         codec_parts.append(cemb([sp.codec_pad, sp.codec_bos]))
         codec = torch.cat(codec_parts)  # [n, C]
         n = codec.shape[0]
