@@ -1,0 +1,1 @@
+"""Edge adaptation: hardware probe -> class -> derived overrides -> calibration."""
