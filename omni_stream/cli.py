@@ -82,6 +82,46 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    """Print the probed hardware and the effective deployment profile with each value's source."""
+    import json
+
+    from safetensors import safe_open
+
+    from omni_stream.edge.adapt import build_profile, format_profile, profile_to_dict
+    from omni_stream.edge.probe import load_profile, profile_summary
+    from omni_stream.models.checkpoint import _weight_files, read_config
+    from omni_stream.models.synthesis import resolve_model_path
+    from omni_stream.scheduling import kv_bytes_per_token
+
+    path = resolve_model_path(a.model)
+    cfg = read_config(path)
+    n = 0
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                n += _prod(h.get_slice(k).get_shape())
+    hw = load_profile()
+    user = json.loads(a.set) if a.set else None
+    prof, sources = build_profile(hw, model_bytes=2 * n,  # bf16 bytes, as build_profile expects
+                                  kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
+                                  user=user)
+    if a.json:
+        print(json.dumps(dict(hardware=profile_summary(hw), profile=profile_to_dict(prof),
+                              sources=sources), indent=2))
+    else:
+        print("hardware:", json.dumps(profile_summary(hw)))
+        print(format_profile(prof, sources))
+    return 0
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-stream", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -136,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(v)
     v.set_defaults(func=cmd_serve)
+
+    pr = sub.add_parser("profile", help="print the probed hardware and the effective profile")
+    pr.add_argument("--model", default="default")
+    pr.add_argument("--set", default=None, help='user overrides as JSON, e.g. \'{"max_streams": 2}\'')
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_profile)
 
     from omni_stream.observability.report import add_stats_parser
 

@@ -300,3 +300,37 @@ class ModelConfig:
             speaker_encoder=SpeakerEncoderConfig.from_dict(spk) if spk else None,
             raw=dict(main),
         )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (defaults are the official ones). Torch-free, so the
+    control messages between processes validate with the same rules."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    min_new_tokens: int = 2
+    sub_do_sample: bool = True
+    sub_temperature: float = 0.9
+    sub_top_k: int = 50
+    sub_top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "sub_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("top_p", "sub_top_p"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
+        for name in ("top_k", "sub_top_k", "min_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @classmethod
+    def greedy(cls) -> "SamplingParams":
+        return cls(do_sample=False, sub_do_sample=False)

@@ -16,6 +16,8 @@ from typing import Union
 
 import msgspec
 
+from omni_stream.config import SamplingParams
+
 Primitive = Union[None, bool, int, float, str, list[Union[bool, int, float, str]]]
 
 
@@ -47,15 +49,7 @@ class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True)
         _check_stream_id(self.stream_id)
         if self.max_frames <= 0:
             raise ValueError(f"max_frames must be > 0, got {self.max_frames}")
-        for name in ("temperature", "sub_temperature", "repetition_penalty"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("top_p", "sub_top_p"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1]")
-        for name in ("top_k", "sub_top_k", "min_new_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        SamplingParams(**self.sampling())  # the same rules as the engine's (raises ValueError)
 
     def sampling(self) -> dict[str, float | int | bool]:
         return {f: getattr(self, f) for f in ("do_sample", "temperature", "top_k", "top_p",

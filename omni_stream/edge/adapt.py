@@ -1,0 +1,358 @@
+"""The effective deployment profile: what to run with on this machine, and why.
+
+Five layers, later ones win, and every field remembers which layer set it:
+
+    default        model defaults (``DEFAULTS``: the ``omni-stream serve`` defaults)
+    class:<name>   ``edge/classes/<hardware_class>.json`` (per-class baseline, with a comment)
+    derived        computed from the probe's facts (dtype, threads, placement, KV, streams ...)
+    calibration    the cached chunk policy (first / steady chunk)
+    user           explicit flags
+
+Derived values that depend on other knobs (max streams on ``max_seq_len`` and the KV budget,
+threads and CPU sets on the placement) are computed from the *final* values of those knobs, so
+``--placement split`` from the user still gets split-aware threads and CPU sets.
+
+The probe (``edge.probe``) only states facts; every decision lives here, as pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
+from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
+
+CLASS_DIR = Path(__file__).parent / "classes"
+DTYPES = ("float32", "bfloat16")
+WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
+DEVICES = ("cpu", "cuda")
+PLACEMENTS = ("together", "split")
+STAGES = ("talker", "cp", "codec")  # cpu_sets keys; 'cp' only with placement 'split'
+
+# Native bf16 matmul: x86 AVX512-BF16 / AMX, Arm BF16 (BFMMLA). Without it bf16 is emulated
+# (slower than fp32) so the fidelity-first choice is fp32.
+BF16_ISA = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+# Up to this many physical cores, one intra-op thread per stage: on the 2-core build machine
+# 1/1 had the best TTFA and no underruns, the naive 2/2 the worst (oversubscription):
+# benchmarks/tts/results/cpu_thread_sweep.json.
+SMALL_CPU_CORES = 4
+SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
+MAX_STAGE_THREADS = 8  # per-frame GEMMs are tiny (batch = streams); more threads only sync
+# Memory usable for weights + KV when no free figure is given: the rest is the OS, activations,
+# the shared-memory rings and allocator slack (CUDA context on a discrete GPU).
+HOST_MEMORY_SHARE = 0.75
+GPU_MEMORY_SHARE = 0.9
+KV_HEADROOM = 0.9
+# model_bytes / kv_bytes_per_token are priced at 2 bytes per element (bf16, the released dtype).
+WEIGHT_SCALE = {"bf16": 1.0, "fp32": 2.0, "int8": 0.5, "int4": 0.25}
+DTYPE_SCALE = {"bfloat16": 1.0, "float32": 2.0}
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DeployProfile:
+    """Everything ``omni-stream serve`` needs to run well here. ``kv_budget_mb`` None means
+    'size the KV cache from free memory at start-up'; ``cpu_sets`` empty means 'no pinning'."""
+
+    dtype: str = "float32"
+    weight_path: str = "fp32"
+    device: str = "cpu"
+    max_streams: int = 4
+    max_seq_len: int = 2048
+    kv_budget_mb: float | None = None
+    talker_threads: int = 1
+    codec_threads: int = 1
+    cp_threads: int = 1
+    placement: str = "together"
+    cpu_sets: dict[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
+    cuda_graphs: bool = False
+    compile: bool = False
+    first_chunk: int = 1
+    steady_chunk: int = 8
+    queue_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, valid in (("dtype", DTYPES), ("weight_path", WEIGHT_PATHS),
+                            ("device", DEVICES), ("placement", PLACEMENTS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {', '.join(valid)}; "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("max_streams", "max_seq_len", "talker_threads", "codec_threads",
+                     "cp_threads", "first_chunk", "steady_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.steady_chunk < self.first_chunk:
+            raise ValueError(f"steady_chunk ({self.steady_chunk}) must be >= first_chunk "
+                             f"({self.first_chunk})")
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("cuda_graphs needs device 'cuda'; set cuda_graphs false on CPU")
+        if self.device == "cpu" and self.dtype == "float32" and self.weight_path == "bf16":
+            raise ValueError("weight_path 'bf16' needs dtype 'bfloat16'; use weight_path 'fp32'")
+        if not _is_number(self.queue_timeout_s) or self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
+        if self.kv_budget_mb is not None and (not _is_number(self.kv_budget_mb)
+                                              or self.kv_budget_mb <= 0):
+            raise ValueError(f"kv_budget_mb must be null or > 0, got {self.kv_budget_mb!r}")
+        object.__setattr__(self, "cpu_sets", _normalise_cpu_sets(self.cpu_sets, self.placement))
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(DeployProfile))
+DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory
+                                     is not dataclasses.MISSING else f.default)
+                            for f in dataclasses.fields(DeployProfile)}
+# Calibration may only set the chunk policy; ChunkPolicy's own names are accepted too.
+CALIBRATION_KEYS = {"first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
+                    "first": "first_chunk", "steady": "steady_chunk"}
+CHUNK_POLICY_ONLY = frozenset({"growth", "min_slack_s", "audio_frame_s"})  # not profile fields
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _normalise_cpu_sets(sets: Any, placement: str) -> dict[str, tuple[int, ...]]:
+    if not isinstance(sets, Mapping):
+        raise ValueError(f"cpu_sets must map stage -> list of cpu ids, got {sets!r}")
+    bad = sorted(set(sets) - set(STAGES))
+    if bad:
+        raise ValueError(f"cpu_sets: unknown stage(s) {bad}; valid: {', '.join(STAGES)}")
+    if "cp" in sets and placement != "split":
+        raise ValueError("cpu_sets['cp'] needs placement 'split' (the code predictor runs in "
+                         "the talker process otherwise)")
+    out: dict[str, tuple[int, ...]] = {}
+    for stage in STAGES:
+        if stage in sets:
+            try:
+                ids = tuple(int(c) for c in sets[stage])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cpu_sets[{stage!r}] must be a list of cpu ids") from e
+            if not ids or min(ids) < 0:
+                raise ValueError(f"cpu_sets[{stage!r}] must be non-empty cpu ids >= 0: {ids}")
+            out[stage] = ids
+    seen = [c for ids in out.values() for c in ids]
+    if len(seen) != len(set(seen)):
+        raise ValueError(f"cpu_sets must be disjoint across stages, got {out}")
+    return out
+
+
+# ---------------------------------------------------------------- layers
+
+
+def load_class_file(hardware_class: str, class_dir: str | Path | None = None) -> dict[str, Any]:
+    """``<class_dir>/<hardware_class>.json``'s ``values``, keys checked against the profile."""
+    path = Path(class_dir or CLASS_DIR) / f"{hardware_class}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"no class file for {hardware_class!r}: add {path}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("values"), dict):
+        raise ValueError(f"{path} must be an object with 'comment' and 'values'")
+    _check_keys(data["values"], f"class file {path}")
+    return dict(data["values"])
+
+
+def _check_keys(values: Mapping[str, Any], what: str) -> None:
+    bad = sorted(set(values) - set(FIELDS))
+    if bad:
+        raise ValueError(f"{what}: unknown key(s) {', '.join(map(repr, bad))}; "
+                         f"valid: {', '.join(FIELDS)}")
+
+
+def _calibration_values(calibration: Any) -> dict[str, Any]:
+    if calibration is None:
+        return {}
+    if dataclasses.is_dataclass(calibration):  # a scheduling.ChunkPolicy
+        calibration = dataclasses.asdict(calibration)
+    if not isinstance(calibration, Mapping):
+        raise ValueError(f"calibration must be a dict or a ChunkPolicy, got {calibration!r}")
+    bad = sorted(set(calibration) - set(CALIBRATION_KEYS) - CHUNK_POLICY_ONLY)
+    if bad:
+        raise ValueError(f"calibration: unknown key(s) {', '.join(map(repr, bad))}; "
+                         f"valid: {', '.join(CALIBRATION_KEYS)}")
+    return {CALIBRATION_KEYS[k]: v for k, v in calibration.items() if k in CALIBRATION_KEYS}
+
+
+def _bf16_native(hw: HardwareProfile) -> bool:
+    return bool(hw.isa & BF16_ISA)
+
+
+def _ordered_cpus(hw: HardwareProfile) -> list[int]:
+    return [c for ids, _ in hw.clusters for c in ids]  # big cluster first
+
+
+def derive_threads(hw: HardwareProfile, device: str, placement: str) -> dict[str, int]:
+    """Intra-op threads per stage from physical cores (see the constants for the evidence)."""
+    cores = hw.physical_cores
+    if device == "cuda" or cores <= SMALL_CPU_CORES:
+        return {"talker_threads": 1, "codec_threads": 1, "cp_threads": 1}
+    per_core = max(1, hw.logical_cpus // cores)
+    codec = max(1, cores // 4)
+    model = cores - codec  # talker (+ code predictor): ~90% of a frame's CPU time
+    if len(hw.clusters) > 1:  # big.LITTLE: the model stages take the big cluster
+        model = max(1, len(hw.big_cores) // per_core)
+        codec = max(1, min(cores - model, codec))
+    if placement == "split":
+        talker = max(1, (model + 1) // 2)
+        cp = max(1, model - talker)
+    else:
+        talker, cp = model, 1
+    cap = MAX_STAGE_THREADS
+    return {"talker_threads": min(talker, cap), "codec_threads": min(codec, cap),
+            "cp_threads": min(cp, cap)}
+
+
+def derive_cpu_sets(hw: HardwareProfile, threads: Mapping[str, int],
+                    placement: str) -> dict[str, tuple[int, ...]]:
+    """Disjoint CPU ids per stage, handed out big cluster first in the order talker, cp, codec
+    (SMT siblings included: ``threads x logical/physical`` CPUs each). Empty when the stages do
+    not fit side by side, i.e. no pinning rather than pinning two stages onto one CPU."""
+    per_core = max(1, hw.logical_cpus // hw.physical_cores)
+    stages = ("talker", "cp", "codec") if placement == "split" else ("talker", "codec")
+    want = {s: threads[f"{s}_threads"] * per_core for s in stages}
+    cpus = _ordered_cpus(hw)
+    if sum(want.values()) > len(cpus):
+        return {}
+    out, i = {}, 0
+    for s in stages:
+        out[s] = tuple(cpus[i:i + want[s]])
+        i += want[s]
+    return out
+
+
+def derive_memory(hw: HardwareProfile, *, device: str, weight_path: str, dtype: str,
+                  model_bytes: int, kv_bytes_per_token: int, max_seq_len: int,
+                  max_streams_cap: int, kv_budget_mb: float | None,
+                  free_memory_bytes: int | None = None) -> dict[str, Any]:
+    """KV budget (MiB) and max streams: memory minus the weights, times the headroom, capped at
+    what ``max_streams_cap`` slots of ``max_seq_len`` positions can use; streams = the slots
+    ``plan_slots`` fits (at least 1: admission still guards each stream's bytes)."""
+    per_token = max(1, int(kv_bytes_per_token * DTYPE_SCALE[dtype]))
+    if kv_budget_mb is not None:  # an explicit figure (user): taken as-is
+        budget = KVBudget(total_bytes=int(kv_budget_mb * MiB), bytes_per_token=per_token,
+                          headroom=1.0, source="setting")
+    else:
+        if free_memory_bytes is not None:
+            mem = int(free_memory_bytes)
+        elif device == "cuda" and hw.cuda is not None and not hw.cuda["unified_memory"]:
+            mem = int(hw.cuda["total_memory_gb"] * GPU_MEMORY_SHARE * (1 << 30))
+        else:  # CPU, or Jetson's unified memory shared with the OS
+            mem = int(hw.ram_gb * HOST_MEMORY_SHARE * (1 << 30))
+        weights = int(model_bytes * WEIGHT_SCALE[weight_path])
+        budget = KVBudget(total_bytes=max(0, mem - weights), bytes_per_token=per_token,
+                          headroom=KV_HEADROOM, source="free memory - weights")
+    slots = plan_slots(budget, max_seq_len, max_slots=max_streams_cap)
+    if kv_budget_mb is None:
+        needed = max(1, slots) * per_token * max_seq_len
+        kv_budget_mb = round(max(1.0, min(budget.usable_bytes, needed) / MiB), 1)
+    return {"max_streams": max(1, slots), "kv_budget_mb": kv_budget_mb}
+
+
+def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
+           kv_bytes_per_token: int, free_memory_bytes: int | None = None) -> dict[str, Any]:
+    """The 'derived' layer. ``inputs`` are the other layers merged (user included), read for
+    the knobs a derivation depends on; the caller applies calibration and user on top."""
+    on_gpu = hw.hardware_class in CUDA_CLASSES and inputs.get("device_user") != "cpu"
+    device = "cuda" if on_gpu else "cpu"
+    bf16 = on_gpu or _bf16_native(hw)
+    out: dict[str, Any] = {
+        "device": device,
+        "dtype": "bfloat16" if bf16 else "float32",
+        "weight_path": "bf16" if bf16 else "fp32",
+        "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
+        else "together",
+        "cuda_graphs": on_gpu,
+    }
+    placement = inputs.get("placement_user") or out["placement"]
+    threads = derive_threads(hw, device, placement)
+    out.update(threads)
+    out["cpu_sets"] = derive_cpu_sets(hw, {**threads, **inputs.get("threads_user", {})},
+                                      placement)
+    out.update(derive_memory(
+        hw, device=inputs.get("device_user") or device,
+        weight_path=inputs.get("weight_path_user") or out["weight_path"],
+        dtype=inputs.get("dtype_user") or out["dtype"], model_bytes=model_bytes,
+        kv_bytes_per_token=kv_bytes_per_token, max_seq_len=int(inputs["max_seq_len"]),
+        max_streams_cap=int(inputs["max_streams"]), kv_budget_mb=inputs.get("kv_budget_mb_user"),
+        free_memory_bytes=free_memory_bytes))
+    return out
+
+
+def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: int,
+                  calibration: Mapping[str, Any] | Any | None = None,
+                  user: Mapping[str, Any] | None = None, class_dir: str | Path | None = None,
+                  free_memory_bytes: int | None = None
+                  ) -> tuple[DeployProfile, dict[str, str]]:
+    """The effective profile and, per field, the layer its value came from.
+
+    ``model_bytes`` (weights) and ``kv_bytes_per_token`` are priced at 2 bytes per element (bf16,
+    as released); the profile scales them to its weight path and dtype. ``max_streams`` from
+    the class file (or user) is a ceiling the KV budget may lower; a user ``max_streams`` is
+    taken as-is. Unknown keys in ``user`` raise ValueError naming them."""
+    if model_bytes < 0 or kv_bytes_per_token <= 0:
+        raise ValueError("model_bytes must be >= 0 and kv_bytes_per_token > 0")
+    user = dict(user or {})
+    _check_keys(user, "user settings")
+    values: dict[str, Any] = dict(DEFAULTS)
+    sources = {k: "default" for k in FIELDS}
+    layers: list[tuple[str, Mapping[str, Any]]] = [
+        (f"class:{hw.hardware_class}", load_class_file(hw.hardware_class, class_dir))]
+    pre = {**values, **layers[0][1], **user}
+    inputs = {"max_seq_len": pre["max_seq_len"], "max_streams": pre["max_streams"],
+              "placement_user": user.get("placement"), "device_user": user.get("device"),
+              "dtype_user": user.get("dtype"), "weight_path_user": user.get("weight_path"),
+              "kv_budget_mb_user": user.get("kv_budget_mb"),
+              "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
+    layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,
+                                     kv_bytes_per_token=kv_bytes_per_token,
+                                     free_memory_bytes=free_memory_bytes)))
+    layers.append(("calibration", _calibration_values(calibration)))
+    layers.append(("user", user))
+    for name, layer in layers:
+        for k, v in layer.items():
+            values[k] = v
+            sources[k] = name
+    return DeployProfile(**values), sources
+
+
+# ---------------------------------------------------------------- printing
+
+
+def profile_to_dict(profile: DeployProfile) -> dict[str, Any]:
+    """JSON-able dict (cpu_sets as lists); ``DeployProfile(**d)`` round-trips it."""
+    d = dataclasses.asdict(profile)
+    d["cpu_sets"] = {k: list(v) for k, v in profile.cpu_sets.items()}
+    return d
+
+
+def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
+    """A three-column table: field, value, source (the layer that set it)."""
+    d = profile_to_dict(profile)
+    rows = [("field", "value", "source")]
+    for k in FIELDS:
+        v = d[k]
+        if k == "cpu_sets":
+            v = " ".join(f"{s}={','.join(map(str, ids))}" for s, ids in v.items()) or "(none)"
+        rows.append((k, "-" if v is None else str(v).lower() if isinstance(v, bool) else str(v),
+                     sources.get(k, "?")))
+    w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+    lines = [f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
+    lines.insert(1, f"{'-' * w0}  {'-' * w1}  {'-' * max(len(r[2]) for r in rows)}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CLASS_DIR", "DEFAULTS", "FIELDS", "DeployProfile", "build_profile", "derive",
+    "derive_cpu_sets", "derive_memory", "derive_threads", "format_profile", "load_class_file",
+    "profile_to_dict",
+]

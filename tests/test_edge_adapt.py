@@ -1,0 +1,197 @@
+"""Effective deployment profile: fixture machines (tests/data/hw/) and emulated classes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from omni_stream.edge.adapt import (CLASS_DIR, DEFAULTS, FIELDS, DeployProfile, build_profile,
+                                    format_profile, load_class_file, profile_to_dict)
+from omni_stream.edge.probe import ENV_VAR, HARDWARE_CLASSES, load_profile, probe
+from omni_stream.scheduling.chunking import ChunkPolicy
+
+HW = Path(__file__).parent / "data" / "hw"
+ORIN_TORCH = {"name": "Orin", "total_memory_gb": 7.44, "compute_capability": (8, 7),
+              "integrated": True}
+RTX_TORCH = {"name": "NVIDIA GeForce RTX 4090", "total_memory_gb": 23.99,
+             "compute_capability": (8, 9), "integrated": False}
+MODEL_BYTES = 1_800_000_000  # ~0.9B parameters at bf16
+KV_PER_TOKEN = 28 * 8 * 128 * 2 * 2  # 28 layers x 8 kv heads x 128 x K,V x bf16
+
+
+def _build(hw, **kw):
+    return build_profile(hw, model_bytes=MODEL_BYTES, kv_bytes_per_token=KV_PER_TOKEN, **kw)
+
+
+def _machine(name: str, torch_info=None):
+    return probe(str(HW / name), torch_info)
+
+
+def _env(override: dict) -> dict[str, str]:
+    return {ENV_VAR: json.dumps(override)}
+
+
+def test_two_core_build_machine_one_thread_per_stage_together_bf16():
+    p, src = _build(_machine("local_xeon_2c"))
+    assert (p.talker_threads, p.codec_threads, p.cp_threads) == (1, 1, 1)
+    assert p.placement == "together" and p.device == "cpu" and not p.cuda_graphs
+    assert (p.dtype, p.weight_path) == ("bfloat16", "bf16")  # the ISA has avx512_bf16
+    assert p.cpu_sets == {"talker": (0,), "codec": (1,)}
+    for k in ("talker_threads", "codec_threads", "placement", "dtype", "weight_path",
+              "cpu_sets", "max_streams", "kv_budget_mb", "device"):
+        assert src[k] == "derived", k
+    assert src["max_seq_len"] == "class:x86_cpu" and src["steady_chunk"] == "class:x86_cpu"
+    assert set(src) == set(FIELDS)
+
+
+def test_cpu_without_native_bf16_stays_fp32():
+    hw = load_profile(_env({"isa": ["avx", "avx2", "fma"]}), root=str(HW / "local_xeon_2c"),
+                      use_torch=False)
+    p, src = _build(hw)
+    assert (p.dtype, p.weight_path) == ("float32", "fp32") and src["dtype"] == "derived"
+
+
+def test_phone_big_cluster_first_and_split_on_eight_cores():
+    p, src = _build(_machine("phone_biglittle"))
+    assert p.placement == "split"
+    assert p.cpu_sets["talker"] == (4, 5) and p.cpu_sets["cp"] == (6, 7)
+    assert set(p.cpu_sets["codec"]) <= {0, 1, 2, 3}
+    ordered = [c for s in ("talker", "cp", "codec") for c in p.cpu_sets[s]]
+    assert ordered[:4] == [4, 5, 6, 7] and len(ordered) == len(set(ordered))
+    assert src["cpu_sets"] == "derived" and src["max_seq_len"] == "class:arm64_cpu"
+
+
+def test_npu_phone_class_file_applies():
+    hw = load_profile(_env({"hardware_class": "npu_phone", "npu": "qnn-htp"}),
+                      root=str(HW / "phone_biglittle"), use_torch=False)
+    p, src = _build(hw)
+    assert p.device == "cpu" and p.max_streams == 1 and src["max_streams"] == "derived"
+    assert p.steady_chunk == 4 and src["steady_chunk"] == "class:npu_phone"
+    assert p.cpu_sets["talker"][0] in hw.big_cores
+
+
+def test_gpu_box_cuda_graphs_bf16_together():
+    p, src = _build(_machine("desktop_rtx4090", RTX_TORCH))
+    assert p.device == "cuda" and p.cuda_graphs and src["cuda_graphs"] == "derived"
+    assert p.dtype == "bfloat16" and p.placement == "together"
+    assert p.compile and src["compile"] == "class:cuda_discrete"
+    assert p.max_streams == 32  # 24 GB fits the class ceiling
+
+
+def test_jetson_unified_memory_limits_streams():
+    p, src = _build(_machine("jetson_orin_nano", ORIN_TORCH), user={"max_streams": 64})
+    assert p.device == "cuda" and p.cuda_graphs and not p.compile
+    assert p.max_streams == 64 and src["max_streams"] == "user"
+    q, _ = _build(_machine("jetson_orin_nano", ORIN_TORCH))
+    assert q.max_streams == 4
+    # the budget, not the ceiling, binds when memory is short
+    r, rs = _build(_machine("jetson_orin_nano", ORIN_TORCH), free_memory_bytes=MODEL_BYTES
+                   + 2 * KV_PER_TOKEN * 2048)
+    assert r.max_streams == 1 and rs["max_streams"] == "derived"
+
+
+def test_emulated_gpu_class_via_env():
+    hw = load_profile(_env({"hardware_class": "cuda_discrete", "cuda": {
+        "name": "H100", "total_memory_gb": 80.0, "unified_memory": False,
+        "compute_capability": [9, 0]}}), root=str(HW / "local_xeon_2c"), use_torch=False)
+    p, _ = _build(hw)
+    assert p.device == "cuda" and p.cuda_graphs and p.max_seq_len == 4096
+
+
+def test_emulated_sixteen_core_x86_splits_and_scales_threads():
+    hw = load_profile(_env({"physical_cores": 16}), root=str(HW / "local_xeon_2c"),
+                      use_torch=False)
+    p, _ = _build(hw)
+    assert p.placement == "split"
+    assert p.codec_threads == 4 and p.talker_threads + p.cp_threads == 12
+    assert sum(len(v) for v in p.cpu_sets.values()) == 16
+
+
+def test_calibration_then_user_win_and_are_marked():
+    hw = _machine("local_xeon_2c")
+    p, src = _build(hw, calibration={"first_chunk": 2, "steady_chunk": 10})
+    assert (p.first_chunk, p.steady_chunk) == (2, 10)
+    assert src["first_chunk"] == src["steady_chunk"] == "calibration"
+    p, src = _build(hw, calibration=ChunkPolicy(first=3, steady=6),
+                    user={"steady_chunk": 12, "talker_threads": 2, "dtype": "float32",
+                          "weight_path": "int8", "queue_timeout_s": 2.5})
+    assert (p.first_chunk, p.steady_chunk) == (3, 12)
+    assert src["first_chunk"] == "calibration" and src["steady_chunk"] == "user"
+    assert (p.talker_threads, p.dtype, p.weight_path) == (2, "float32", "int8")
+    for k in ("steady_chunk", "talker_threads", "dtype", "weight_path", "queue_timeout_s"):
+        assert src[k] == "user"
+
+
+def test_user_overrides_every_field():
+    hw = _machine("desktop_rtx4090", RTX_TORCH)
+    user = {"dtype": "float32", "weight_path": "fp32", "device": "cpu", "max_streams": 3,
+            "max_seq_len": 512, "kv_budget_mb": 100.0, "talker_threads": 1, "codec_threads": 1,
+            "cp_threads": 1, "placement": "split", "cpu_sets": {"talker": [0], "cp": [1],
+                                                                "codec": [2, 3]},
+            "cuda_graphs": False, "compile": False, "first_chunk": 2, "steady_chunk": 4,
+            "queue_timeout_s": 1.0}
+    assert set(user) == set(FIELDS)
+    p, src = _build(hw, calibration={"first_chunk": 5, "steady_chunk": 9}, user=user)
+    assert set(src.values()) == {"user"}
+    assert profile_to_dict(p) == {**user, "cpu_sets": {"talker": [0], "cp": [1],
+                                                       "codec": [2, 3]}}
+
+
+def test_derived_values_follow_user_inputs():
+    hw = _machine("local_xeon_2c")
+    p, src = _build(hw, user={"placement": "split"})
+    assert p.placement == "split" and p.cpu_sets == {}  # 3 stages do not fit on 2 CPUs
+    two_streams_mb = 2 * KV_PER_TOKEN * 2048 / 2**20  # bf16 KV on this machine
+    p, src = _build(hw, user={"kv_budget_mb": two_streams_mb})
+    assert p.max_streams == 2 and src["max_streams"] == "derived"
+    assert p.kv_budget_mb == two_streams_mb and src["kv_budget_mb"] == "user"
+    p, _ = _build(hw, user={"kv_budget_mb": two_streams_mb, "max_seq_len": 4096})
+    assert p.max_streams == 1
+    p, _ = _build(hw, user={"kv_budget_mb": two_streams_mb, "dtype": "float32",
+                            "weight_path": "fp32"})
+    assert p.max_streams == 1  # fp32 KV costs twice as much
+
+
+def test_unknown_keys_raise_naming_them():
+    hw = _machine("local_xeon_2c")
+    with pytest.raises(ValueError, match="'threads'.*'turbo'|'turbo'.*'threads'"):
+        _build(hw, user={"threads": 4, "turbo": True})
+    with pytest.raises(ValueError, match="'bogus'"):
+        _build(hw, calibration={"bogus": 1})
+    with pytest.raises(ValueError, match="placement"):
+        _build(hw, user={"placement": "scattered"})
+
+
+def test_class_files_are_complete_and_valid(tmp_path):
+    for cls in HARDWARE_CLASSES:
+        data = json.loads((CLASS_DIR / f"{cls}.json").read_text())
+        assert data["comment"].strip()
+        values = load_class_file(cls)
+        assert set(values) <= set(FIELDS)
+        DeployProfile(**{**DEFAULTS, **values})  # valid on their own
+    (tmp_path / "x86_cpu.json").write_text(json.dumps({"comment": "", "values": {"speed": 1}}))
+    with pytest.raises(ValueError, match="'speed'"):
+        _build(_machine("local_xeon_2c"), class_dir=tmp_path)
+
+
+def test_format_profile_table_has_every_field_and_source():
+    p, src = _build(_machine("phone_biglittle"), user={"first_chunk": 2})
+    text = format_profile(p, src)
+    lines = text.splitlines()
+    assert lines[0].split() == ["field", "value", "source"] and len(lines) == 2 + len(FIELDS)
+    row = next(line for line in lines if line.startswith("first_chunk"))
+    assert row.split() == ["first_chunk", "2", "user"]
+    assert "talker=4,5" in text
+    assert DeployProfile(**profile_to_dict(p)) == p
+    json.dumps(profile_to_dict(p))
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="disjoint"):
+        DeployProfile(cpu_sets={"talker": [0, 1], "codec": [1]})
+    with pytest.raises(ValueError, match="steady_chunk"):
+        DeployProfile(first_chunk=4, steady_chunk=2)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        DeployProfile(device="cpu", cuda_graphs=True)
