@@ -60,25 +60,87 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+# serve flag (argparse dest) -> DeployProfile field; a flag left unset is filled by the profile
+SERVE_PROFILE_FLAGS = {
+    "dtype": "dtype", "device": "device", "max_streams": "max_streams",
+    "max_seq_len": "max_seq_len", "first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
+    "talker_threads": "talker_threads", "codec_threads": "codec_threads",
+    "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
+    "kv_budget_mb": "kv_budget_mb",
+}
+
+
+def _model_bytes(path) -> int:
+    """Parameters of the main checkpoint x 2 (bf16 bytes, what build_profile expects)."""
+    from safetensors import safe_open
+
+    from omni_stream.models.checkpoint import _weight_files
+
+    n = 0
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                n += _prod(h.get_slice(k).get_shape())
+    return 2 * n
+
+
+def effective_profile(a: argparse.Namespace, path, hw=None):
+    """The deployment profile for ``serve``: ``--profile auto`` layers model defaults, the
+    hardware-class file, values derived from the probe, and the flags given (which win);
+    ``--profile none`` is the fixed defaults plus the flags. Returns (profile, sources)."""
+    from omni_stream.edge.adapt import DeployProfile, build_profile
+    from omni_stream.edge.probe import load_profile
+    from omni_stream.models.checkpoint import read_config
+    from omni_stream.scheduling import kv_bytes_per_token
+
+    user = {}
+    for dest, fld in SERVE_PROFILE_FLAGS.items():
+        v = getattr(a, dest, None)
+        if v is not None:
+            if dest == "dtype" and v not in DTYPES:
+                raise ValueError(f"unknown dtype '{v}': use fp32 or bf16")
+            user[fld] = DTYPES[v] if dest == "dtype" else v
+    if user.get("dtype") == "float32":
+        user.setdefault("weight_path", "fp32")
+    elif user.get("dtype") == "bfloat16":
+        user.setdefault("weight_path", "bf16")
+    if a.profile == "none":
+        prof = DeployProfile(**user)
+        return prof, {k: ("user" if k in user else "default") for k in prof.__dataclass_fields__}
+    cfg = read_config(path)
+    return build_profile(hw or load_profile(), model_bytes=_model_bytes(path),
+                         kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token, user=user)
+
+
+def pipeline_settings(a: argparse.Namespace, hw=None):
+    """PipelineSettings for ``serve`` from the flags and the effective profile."""
+    from omni_stream.edge.adapt import format_profile
     from omni_stream.models.synthesis import resolve_model_path
-    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-    from omni_stream.server.app import run_server
-    from omni_stream.server.settings import from_args
+    from omni_stream.orchestrator import PipelineSettings
     from omni_stream.stages.schedule import ChunkSchedule
 
     path = resolve_model_path(a.model)
+    prof, sources = effective_profile(a, path, hw)
+    log.info("effective profile (--profile %s):\n%s", a.profile, format_profile(prof, sources))
     settings = PipelineSettings(
         model_path=str(path), model_name=a.model_name or ("qwen3-tts" if a.model == "default" else path.name),
-        dtype=DTYPES[a.dtype], max_streams=a.max_streams, max_queue=a.max_queue,
-        queue_timeout_s=a.queue_timeout, max_seq_len=a.max_seq_len,
-        schedule=ChunkSchedule(first=a.first_chunk, steady=a.steady_chunk),
-        talker_threads=a.talker_threads, codec_threads=a.codec_threads, device=a.device,
-        placement=a.placement, cp_threads=a.cp_threads,
-        kv_budget_bytes=int(a.kv_budget_mb * 2**20) if a.kv_budget_mb else None,
+        dtype=prof.dtype, device=prof.device, max_streams=prof.max_streams, max_queue=a.max_queue,
+        queue_timeout_s=prof.queue_timeout_s, max_seq_len=prof.max_seq_len,
+        schedule=ChunkSchedule(first=prof.first_chunk, steady=prof.steady_chunk),
+        talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
+        cp_threads=prof.cp_threads, placement=prof.placement,
+        kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not a.no_throttle)
-    backend = PipelineBackend(settings)
-    run_server(backend, a.host, a.port, from_args(a))
+    return settings, prof, sources
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from omni_stream.orchestrator import PipelineBackend
+    from omni_stream.server.app import run_server
+    from omni_stream.server.settings import from_args
+
+    settings, _, _ = pipeline_settings(a)
+    run_server(PipelineBackend(settings), a.host, a.port, from_args(a))
     return 0
 
 
@@ -86,24 +148,17 @@ def cmd_profile(a: argparse.Namespace) -> int:
     """Print the probed hardware and the effective deployment profile with each value's source."""
     import json
 
-    from safetensors import safe_open
-
     from omni_stream.edge.adapt import build_profile, format_profile, profile_to_dict
     from omni_stream.edge.probe import load_profile, profile_summary
-    from omni_stream.models.checkpoint import _weight_files, read_config
+    from omni_stream.models.checkpoint import read_config
     from omni_stream.models.synthesis import resolve_model_path
     from omni_stream.scheduling import kv_bytes_per_token
 
     path = resolve_model_path(a.model)
     cfg = read_config(path)
-    n = 0
-    for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                n += _prod(h.get_slice(k).get_shape())
     hw = load_profile()
     user = json.loads(a.set) if a.set else None
-    prof, sources = build_profile(hw, model_bytes=2 * n,  # bf16 bytes, as build_profile expects
+    prof, sources = build_profile(hw, model_bytes=_model_bytes(path),
                                   kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
                                   user=user)
     if a.json:
@@ -155,19 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="run the streaming HTTP/WebSocket server")
     v.add_argument("--model", default="default", help="checkpoint folder, or 'default' (embedded)")
     v.add_argument("--model-name", default=None, help="served model id (default: qwen3-tts)")
-    v.add_argument("--dtype", default="fp32")
-    v.add_argument("--device", default="cpu")
-    v.add_argument("--max-streams", type=int, default=4, help="concurrent streams (talker slots)")
+    v.add_argument("--profile", choices=["auto", "none"], default="auto",
+                   help="auto: unset flags come from the hardware probe and class file "
+                        "(see `omni-stream profile`); none: fixed defaults")
+    v.add_argument("--dtype", default=None, help="fp32 or bf16 (default: from the profile)")
+    v.add_argument("--device", default=None, help="cpu or cuda (default: from the profile)")
+    v.add_argument("--max-streams", type=int, default=None, help="concurrent streams (talker slots)")
     v.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot")
-    v.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait")
-    v.add_argument("--max-seq-len", type=int, default=2048, help="talker positions per stream")
-    v.add_argument("--first-chunk", type=int, default=1, help="frames in the first audio chunk")
-    v.add_argument("--steady-chunk", type=int, default=8, help="frames per chunk once ramped up")
-    v.add_argument("--talker-threads", type=int, default=1)
-    v.add_argument("--codec-threads", type=int, default=1)
-    v.add_argument("--placement", choices=["together", "split"], default="together",
+    v.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait")
+    v.add_argument("--max-seq-len", type=int, default=None, help="talker positions per stream")
+    v.add_argument("--first-chunk", type=int, default=None, help="frames in the first audio chunk")
+    v.add_argument("--steady-chunk", type=int, default=None, help="frames per chunk once ramped up")
+    v.add_argument("--talker-threads", type=int, default=None)
+    v.add_argument("--codec-threads", type=int, default=None)
+    v.add_argument("--placement", choices=["together", "split"], default=None,
                    help="talker and code predictor in one process, or in two")
-    v.add_argument("--cp-threads", type=int, default=1, help="code-predictor threads (split)")
+    v.add_argument("--cp-threads", type=int, default=None, help="code-predictor threads (split)")
     v.add_argument("--kv-budget-mb", type=float, default=None,
                    help="talker KV admitted at once (default: the static cache, streams x seq len)")
     v.add_argument("--no-throttle", action="store_true",
