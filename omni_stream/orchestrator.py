@@ -180,6 +180,8 @@ class PipelineBackend:
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
         self._restarts = 0
+        self._restart_times: list[float] = []
+        self._closing = False
         self._completed = 0
         self._failed = 0
 
@@ -261,7 +263,12 @@ class PipelineBackend:
         self._reader.start()
         log.info("pipeline ready (talker pid %d, codec pid %d)", pipe.talker.pid, pipe.codec.pid)
 
+    def begin_shutdown(self) -> None:
+        """The server is going down: stage exits from now on are not crashes to recover from."""
+        self._closing = True
+
     async def close(self) -> None:
+        self._closing = True
         self._stop.set()
         if self._reader is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 5)
@@ -400,15 +407,29 @@ class PipelineBackend:
             pass
 
     def _recover(self, pipe: _Pipeline) -> None:
+        time.sleep(0.2)  # a shutdown signal that also hit the stages is noticed here first
         dead = [p.name for p in pipe.procs if not p.is_alive()]
-        log.error("stage process died (%s): failing %d streams and restarting", ", ".join(dead),
-                  len(self._streams))
         self._pipe = None
-        err = BackendError(500, "stage_failed", f"a pipeline stage ({', '.join(dead)}) crashed; "
-                           "the stream was aborted, retry the request")
+        closing = self._closing or self._stop.is_set()
+        if closing:
+            log.info("stage processes exited during shutdown (%s)", ", ".join(dead))
+        else:
+            log.error("stage process died (%s): failing %d streams and restarting",
+                      ", ".join(dead), len(self._streams))
+        err = BackendError(503 if closing else 500, "stage_failed",
+                           f"a pipeline stage ({', '.join(dead)}) stopped; the stream was aborted, "
+                           "retry the request", retry_after=2 if closing else None)
         for st in list(self._streams.values()):
             self._deliver(st, err)
         pipe.close()
+        if closing:
+            return
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < 60] + [now]
+        if len(self._restart_times) > 5:
+            log.error("stages died 6 times within a minute: not restarting again; the server "
+                      "answers 503 until it is restarted (see the stage logs)")
+            return
         self._restarts += 1
         try:
             self._start_pipeline()

@@ -279,3 +279,41 @@ def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     from omni_stream.scheduling.chunking import ChunkPolicy
 
     assert sched1 == ChunkPolicy.from_dict(cached["policy"]).to_schedule()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "group-term"])
+def test_group_signal_shuts_down_cleanly(tiny_ckpt, tmp_path, sig):
+    """Ctrl-C (or a service manager's SIGTERM) reaches the server AND its stage processes: the
+    server must exit without restarting the pipeline and leave no shared-memory segment."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "omni_stream.cli", "serve", "--model", str(tiny_ckpt),
+                          "--port", str(port), "--max-seq-len", "512"],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        mine = {n for n in _shm_segments() if n.startswith(f"omni-stream-{p.pid}-")}
+        assert len(mine) >= 2
+        os.killpg(p.pid, sig)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "restarting" not in text and text.count("pipeline ready") == 1
+    assert not {n for n in _shm_segments() if n.startswith(f"omni-stream-{p.pid}-")}

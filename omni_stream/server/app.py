@@ -192,9 +192,17 @@ async def serve(backend: Backend, host: str, port: int,
              url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def on_signal() -> None:
+        # tell the backend first: a Ctrl-C or a group SIGTERM reaches its worker processes
+        # too, and their exit must not be taken for a crash to recover from
+        begin = getattr(backend, "begin_shutdown", None)
+        if begin is not None:
+            begin()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread / not POSIX
             pass
     try:

@@ -30,6 +30,7 @@ from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, P
                                             RunningStream, decide_prefill, slack_s)
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
+from omni_stream.stages.proc import ignore_interrupts
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                      cp_handles: tuple | None = None) -> None:
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
     placement: the code predictor runs in its own stage process."""
+    ignore_interrupts()
     from omni_stream.models.checkpoint import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s talker: %(message)s")
