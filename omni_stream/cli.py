@@ -130,7 +130,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement,
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
-        throttle=not a.no_throttle)
+        throttle=not a.no_throttle, cpu_sets=dict(prof.cpu_sets))
     return settings, prof, sources
 
 

@@ -61,6 +61,7 @@ class PipelineSettings:
     kv_budget_bytes: int | None = None  # None: exactly the static cache (slots x max_seq_len)
     max_overtakes: int = 4  # head-of-line: how often a queued request may be passed
     throttle: bool = True  # playback-slack prefill throttling in the talker stage
+    cpu_sets: dict = field(default_factory=dict)  # stage ('talker'|'cp'|'codec') -> CPU ids
     cp_threads: int = 1
     start_timeout_s: float = 300.0
 
@@ -92,9 +93,10 @@ class _Pipeline:
         self.ctrl, child_ctrl = ControlChannel.pair(ctx)
         spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                          max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
-                         throttle=s.throttle)
+                         throttle=s.throttle, cpus=tuple(s.cpu_sets.get("talker", ())))
         cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                          threads=s.codec_threads, device=s.device)
+                          threads=s.codec_threads, device=s.device,
+                          cpus=tuple(s.cpu_sets.get("codec", ())))
         self.rings = [self.frames, self.audio]
         cp_handles = None
         self.cp = None
@@ -103,7 +105,8 @@ class _Pipeline:
             self.rings += [to_cp, from_cp]
             cp_handles = (to_cp.handle("producer"), from_cp.handle("consumer"))
             pspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                              threads=s.cp_threads, device=s.device)
+                              threads=s.cp_threads, device=s.device,
+                              cpus=tuple(s.cpu_sets.get("cp", ())))
             self.cp = ctx.Process(target=run_cp_stage, name="omni-code-predictor", daemon=True,
                                   args=(pspec, to_cp.handle("consumer"), from_cp.handle("producer")))
         self.talker = ctx.Process(target=run_talker_stage, name="omni-talker", daemon=True,

@@ -317,3 +317,30 @@ def test_group_signal_shuts_down_cleanly(tiny_ckpt, tmp_path, sig):
     text = (tmp_path / "serve.log").read_text()
     assert "restarting" not in text and text.count("pipeline ready") == 1
     assert not {n for n in _shm_segments() if n.startswith(f"omni-stream-{p.pid}-")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_stages_pinned_to_disjoint_cpu_sets(tiny_ckpt):
+    cpus = sorted(os.sched_getaffinity(0))
+
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt, cpu_sets={"talker": (cpus[0],),
+                                                                 "codec": (cpus[1],)}))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            st, _, data = await _speech(s, url, input="Pinned.", response_format="pcm",
+                                        max_new_tokens=4)
+            assert st == 200 and len(data) > 0
+            pipe = backend._pipe
+            return os.sched_getaffinity(pipe.talker.pid), os.sched_getaffinity(pipe.codec.pid)
+
+    talker, codec = run_async(main(), timeout=300)
+    assert talker == {cpus[0]} and codec == {cpus[1]}
+
+
+def test_pin_cpus_outside_the_allowed_set_is_a_warning(caplog):
+    from omni_stream.stages.proc import pin_cpus
+
+    before = os.sched_getaffinity(0)
+    pin_cpus((10_000,))
+    assert os.sched_getaffinity(0) == before
+    assert "not pinning" in caplog.text

@@ -23,7 +23,7 @@ from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.transport import Flags, Message, MsgKind, Ring
-from omni_stream.stages.proc import ignore_interrupts
+from omni_stream.stages.proc import ignore_interrupts, pin_cpus
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ class CodecStage:
 def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     """Process entry point: consume ``frames``, produce ``audio``."""
     ignore_interrupts()
+    pin_cpus(spec.cpus)
     from omni_stream.models.checkpoint import load_codec
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s codec: %(message)s")

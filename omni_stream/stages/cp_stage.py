@@ -20,7 +20,7 @@ import torch
 from omni_stream.models.frame import EngineShape, FrameEngine
 from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
-from omni_stream.stages.proc import ignore_interrupts
+from omni_stream.stages.proc import ignore_interrupts, pin_cpus
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
 def run_cp_stage(spec, in_handle, out_handle) -> None:
     """Process entry point."""
     ignore_interrupts()
+    pin_cpus(spec.cpus)
     import os
 
     from omni_stream.models.checkpoint import load_model

@@ -30,7 +30,7 @@ from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, P
                                             RunningStream, decide_prefill, slack_s)
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
-from omni_stream.stages.proc import ignore_interrupts
+from omni_stream.stages.proc import ignore_interrupts, pin_cpus
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,7 @@ class StageSpec:
     threads: int = 1
     device: str = "cpu"
     throttle: bool = True
+    cpus: tuple[int, ...] = ()  # pin the stage to these CPUs (empty: no pinning)
 
 
 def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
@@ -280,6 +281,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
     placement: the code predictor runs in its own stage process."""
     ignore_interrupts()
+    pin_cpus(spec.cpus)
     from omni_stream.models.checkpoint import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s talker: %(message)s")
