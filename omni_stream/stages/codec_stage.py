@@ -23,7 +23,7 @@ from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.transport import Flags, Message, MsgKind, Ring
-from omni_stream.stages.proc import ignore_interrupts, pin_cpus
+from omni_stream.stages.proc import start_stage
 
 log = logging.getLogger(__name__)
 
@@ -188,13 +188,9 @@ class CodecStage:
 
 def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     """Process entry point: consume ``frames``, produce ``audio``."""
-    ignore_interrupts()
-    pin_cpus(spec.cpus)
+    start_stage("codec", spec)
     from omni_stream.models.checkpoint import load_codec
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s codec: %(message)s")
-    torch.set_num_threads(spec.threads)
-    stepstats.configure("codec")
     inp = frames_handle.open()
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)

@@ -20,7 +20,7 @@ import torch
 from omni_stream.models.frame import EngineShape, FrameEngine
 from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
-from omni_stream.stages.proc import ignore_interrupts, pin_cpus
+from omni_stream.stages.proc import start_stage
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +89,11 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
 
 def run_cp_stage(spec, in_handle, out_handle) -> None:
     """Process entry point."""
-    ignore_interrupts()
-    pin_cpus(spec.cpus)
+    start_stage("cp", spec)
     import os
 
     from omni_stream.models.checkpoint import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s code-predictor: %(message)s")
-    torch.set_num_threads(spec.threads)
-    stepstats.configure("cp")
     inp, out = in_handle.open(), out_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,

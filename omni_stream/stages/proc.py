@@ -26,3 +26,17 @@ def pin_cpus(cpus: tuple[int, ...]) -> None:
         log.warning("CPU set %s is outside this process's CPUs %s: not pinning", cpus, sorted(allowed))
         return
     os.sched_setaffinity(0, want)
+
+
+def start_stage(name: str, spec) -> None:
+    """The common start of a stage process: its log format, Ctrl-C handling, CPU pinning,
+    intra-op threads and step-timing identity (``spec``: a StageSpec)."""
+    import torch
+
+    from omni_stream.observability import stepstats
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+    ignore_interrupts()
+    pin_cpus(spec.cpus)
+    torch.set_num_threads(spec.threads)
+    stepstats.configure(name)

@@ -30,7 +30,7 @@ from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, P
                                             RunningStream, decide_prefill, slack_s)
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
-from omni_stream.stages.proc import ignore_interrupts, pin_cpus
+from omni_stream.stages.proc import start_stage
 
 log = logging.getLogger(__name__)
 
@@ -280,13 +280,9 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                      cp_handles: tuple | None = None) -> None:
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
     placement: the code predictor runs in its own stage process."""
-    ignore_interrupts()
-    pin_cpus(spec.cpus)
+    start_stage("talker", spec)
     from omni_stream.models.checkpoint import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s talker: %(message)s")
-    torch.set_num_threads(spec.threads)
-    stepstats.configure("talker")
     out = frames_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
