@@ -1,0 +1,226 @@
+"""One static decode step of a Qwen3 decoder stack (talker or code predictor), export-ready.
+
+The step computes ONE token with every piece of state passed in and out explicitly:
+
+    inputs   x [1, 1, C_in]                 input embedding of the token
+             rope_cos, rope_sin [1, 1, 1, D] rotary angles of its position (sin sign-folded, below)
+             mask [1, 1, 1, N]               additive mask over the N keys [cache (N-1) ++ self]
+             past_key_<i> [1, Hkv, D, N-1]   per layer: keys stored transposed (plain MatMul)
+             past_value_<i> [1, Hkv, N-1, D] per layer
+             head [1] int64                  code predictor only: which of the G-1 lm heads
+    outputs  logits [1, V]; hidden [1, C] (talker only: it feeds the code predictor)
+             roll: present_key_<i>, present_value_<i>  (the window shifted by one, same shapes)
+             ring: new_key_<i> [1, Hkv, D, 1], new_value_<i> [1, Hkv, 1, D] (the runtime writes
+                   them into ring slot ``pos % (N-1)``)
+
+Why this shape of graph (NPU compilers want it): one cache tensor per layer and kind, never one
+stacked ``[layers, ...]`` tensor that every layer slices (that slicing and its layout conversions
+took ~70% of NPU cycles on real devices); grouped-query attention by reshaping the query
+``[H, D] -> [Hkv, H/Hkv, D]`` so keys and values are never expanded; scores of the cached keys
+and of the new key concatenated into ONE fused Softmax (explicit max/exp/sum/div forms broke
+quantized compilation); static shapes; masks and rotary angles computed by the runtime.
+
+Ring and roll give the same result on the same history: softmax over keys does not depend on
+key order and every cached key carries its own rotary phase, so the ring is never reordered;
+the mask hides slots not yet written.
+
+Rotary: ``rope_sin`` carries the rotate-half sign, ``[-sin(a), sin(a)]``, so the graph computes
+``x * cos + swap_halves(x) * sin`` with no Neg (identical floats: negation is exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from omni_stream.models.layers import DecoderStack
+
+LAYOUTS = ("roll", "ring")
+
+
+class StepError(ValueError):
+    """A model or setting the step export cannot handle; the message names the fix."""
+
+
+def check_stack(stack: nn.Module, where: str) -> None:
+    """Fail clearly when ``stack`` is not a Qwen3 decoder stack with the layers we export."""
+    if not isinstance(stack, DecoderStack):
+        raise StepError(f"{where}: expected a decoder stack (omni_stream.models.layers.DecoderStack), "
+                        f"got {type(stack).__name__}; load the checkpoint with omni_stream.models.checkpoint.load_model")
+    layers = getattr(stack, "layers", None)
+    if layers is None or len(layers) == 0:
+        raise StepError(f"{where}: the model has no decoder layers; check the checkpoint's num_hidden_layers")
+    if len(layers) != stack.cfg.num_hidden_layers:
+        raise StepError(f"{where}: {len(layers)} decoder layers but the config declares "
+                        f"{stack.cfg.num_hidden_layers}; the checkpoint and config.json disagree")
+    need = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        missing = [n for n in need if attn is None or not hasattr(attn, n)]
+        for n in ("mlp", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(layer, n):
+                missing.append(n)
+        if missing:
+            raise StepError(f"{where}: layer {i} lacks {', '.join(missing)}; only Qwen3 decoder "
+                            "layers (q/k norm, GQA, SwiGLU) can be exported")
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x * x rather than pow: Mul is on every NPU op list
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderStep(nn.Module):
+    """One-token step over a ``DecoderStack`` (weights shared with it, fp32).
+
+    ``context`` N = keys attended per step: N-1 cached entries plus the token itself.
+    ``heads``: the lm heads ``[(V, C)]``; one head -> plain MatMul (talker), several -> the
+    ``head`` input selects one by Gather (code predictor: one graph instead of G-1)."""
+
+    def __init__(self, stack: DecoderStack, heads: list[torch.Tensor], layout: str, context: int,
+                 in_proj: nn.Module | None = None, emit_hidden: bool = False,
+                 where: str = "decoder") -> None:
+        super().__init__()
+        check_stack(stack, where)
+        if layout not in LAYOUTS:
+            raise StepError(f"unknown cache layout '{layout}': expected one of {', '.join(LAYOUTS)}")
+        if context < 2:
+            raise StepError(f"context must be >= 2 (one cached entry plus the token), got {context}")
+        cfg = stack.cfg
+        self.stack, self.layout, self.context = stack, layout, context
+        self.in_proj = in_proj if in_proj is not None else nn.Identity()
+        self.emit_hidden = emit_hidden
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.eps = cfg.rms_norm_eps
+        self.rope_theta = cfg.rope_theta
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.multi_head = len(heads) > 1
+        # heads stored [n, C, V] so logits are a MatMul without a transposed weight
+        w = torch.stack([h.detach().float().t() for h in heads])
+        self.register_buffer("head_w", w.contiguous() if self.multi_head else w[0].contiguous(),
+                             persistent=False)
+
+    # -------------------------------------------------------------- names and shapes
+    @property
+    def cache_len(self) -> int:
+        return self.context - 1
+
+    def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(key, value) cache shapes of one layer."""
+        n = self.cache_len
+        return (1, self.n_kv, self.head_dim, n), (1, self.n_kv, n, self.head_dim)
+
+    def input_names(self) -> list[str]:
+        names = ["x", "rope_cos", "rope_sin", "mask"]
+        if self.multi_head:
+            names.append("head")
+        for i in range(self.n_layers):
+            names += [f"past_key_{i}", f"past_value_{i}"]
+        return names
+
+    def output_names(self) -> list[str]:
+        names = ["logits"] + (["hidden"] if self.emit_hidden else [])
+        kind = "present" if self.layout == "roll" else "new"
+        for i in range(self.n_layers):
+            names += [f"{kind}_key_{i}", f"{kind}_value_{i}"]
+        return names
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        d = self.head_dim
+        c_in = self.stack.layers[0].self_attn.q_proj.in_features
+        if not isinstance(self.in_proj, nn.Identity):
+            c_in = self.in_proj.in_features
+        args = [torch.zeros(1, 1, c_in), torch.ones(1, 1, 1, d), torch.zeros(1, 1, 1, d),
+                torch.zeros(1, 1, 1, self.context)]
+        if self.multi_head:
+            args.append(torch.zeros(1, dtype=torch.int64))
+        ks, vs = self.cache_shapes()
+        for _ in range(self.n_layers):
+            args += [torch.zeros(ks), torch.zeros(vs)]
+        return tuple(args)
+
+    # -------------------------------------------------------------- the step
+    def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, kv, d, g = self.n_heads, self.n_kv, self.head_dim, self.group
+        q = _rms(attn.q_proj(x).reshape(1, 1, h, d), attn.q_norm.weight, attn.q_norm.eps)
+        k = _rms(attn.k_proj(x).reshape(1, 1, kv, d), attn.k_norm.weight, attn.k_norm.eps)
+        v = attn.v_proj(x).reshape(1, kv, 1, d)  # [1, Hkv, 1, D] (T = 1: a reshape, no transpose)
+        q = q * cos + _swap_halves(q) * sin
+        k = k * cos + _swap_halves(k) * sin
+        q = q.reshape(1, kv, g, d) * self.scale  # GQA: query heads grouped by their kv head
+        k_new = k.reshape(1, kv, d, 1)  # [1, Hkv, D, 1] (T = 1: transposed by a reshape)
+        n = self.cache_len
+        if self.layout == "roll":
+            keys = torch.cat((past_k, k_new), dim=-1)  # [1, Hkv, D, N]
+            values = torch.cat((past_v, v), dim=2)  # [1, Hkv, N, D]
+            p = torch.softmax(torch.matmul(q, keys) + mask, dim=-1)  # [1, Hkv, G, N]
+            out = torch.matmul(p, values)
+            k_out, v_out = keys[..., 1:], values[:, :, 1:]
+        else:
+            scores = torch.cat((torch.matmul(q, past_k), torch.matmul(q, k_new)), dim=-1)
+            p = torch.softmax(scores + mask, dim=-1)  # one fused softmax over [cache ++ self]
+            out = torch.matmul(p[..., :n], past_v) + p[..., n:] * v
+            k_out, v_out = k_new, v
+        out = attn.o_proj(out.reshape(1, 1, h * d))
+        return out, k_out, v_out
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.multi_head:
+            head, caches = rest[0], rest[1:]
+        else:
+            head, caches = None, rest
+        h = self.in_proj(x)  # [1, 1, C]
+        new_state: list[torch.Tensor] = []
+        for i, layer in enumerate(self.stack.layers):
+            ln = layer.input_layernorm
+            a, k_out, v_out = self._attention(layer.self_attn, _rms(h, ln.weight, ln.eps), rope_cos,
+                                              rope_sin, mask, caches[2 * i], caches[2 * i + 1])
+            h = h + a
+            ln2 = layer.post_attention_layernorm
+            h = h + layer.mlp(_rms(h, ln2.weight, ln2.eps))
+            new_state += [k_out, v_out]
+        hn = _rms(h, self.stack.norm.weight, self.stack.norm.eps)  # [1, 1, C]
+        if self.multi_head:
+            w = torch.index_select(self.head_w, 0, head)  # [1, C, V]
+            logits = torch.matmul(hn, w).reshape(1, -1)
+        else:
+            logits = torch.matmul(hn, self.head_w).reshape(1, -1)
+        outs = [logits] + ([hn.reshape(1, -1)] if self.emit_hidden else [])
+        return tuple(outs + new_state)
+
+
+def talker_step(talker: nn.Module, layout: str, context: int) -> DecoderStep:
+    """The talker's step: input = summed frame embedding, outputs codec logits and hidden."""
+    for name in ("model", "codec_head"):
+        if not hasattr(talker, name):
+            raise StepError(f"talker: the model lacks '{name}'; not a Qwen3-TTS talker")
+    return DecoderStep(talker.model, [talker.codec_head.weight], layout, context,
+                       emit_hidden=True, where="talker")
+
+
+def code_predictor_step(talker: nn.Module, layout: str, context: int) -> DecoderStep:
+    """The code predictor's step: input in the talker's width (projected in-graph), ``head``
+    picks codebook j+1's lm head."""
+    cp = getattr(talker, "code_predictor", None)
+    if cp is None or not hasattr(cp, "model") or not hasattr(cp, "lm_head"):
+        raise StepError("code_predictor: the model lacks talker.code_predictor (model, lm_head); "
+                        "not a Qwen3-TTS checkpoint")
+    groups = talker.cfg.num_code_groups
+    if context < groups:
+        raise StepError(f"code_predictor: context {context} is smaller than its per-frame sequence "
+                        f"of {groups} positions (2 prefill + {groups - 2} sub-steps); use --context {groups}")
+    proj = cp.small_to_mtp_projection
+    return DecoderStep(cp.model, [h.weight for h in cp.lm_head], layout, context,
+                       in_proj=None if isinstance(proj, nn.Identity) else proj, where="code_predictor")
