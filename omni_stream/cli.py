@@ -41,7 +41,14 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
     from omni_stream.models.synthesis import Synthesizer
 
     torch.set_num_threads(a.threads) if a.threads else None
-    synth = Synthesizer.from_path(a.model, dtype=_dtype(a.dtype))
+    dtype = torch.bfloat16 if a.weight_path in ("int8", "int4") else _dtype(a.dtype)
+    synth = Synthesizer.from_path(a.model, dtype=dtype, weight_path=a.weight_path)
+    if a.compile:
+        from omni_stream.models.compiled import compile_engine, compile_stats, warm_up
+
+        compile_engine(synth.engine)
+        took = warm_up(synth.engine)
+        print(f"compiled decoder steps in {took:.1f} s: {compile_stats()}")
     req = PromptRequest(text=a.text, language=a.language, speaker=a.voice,
                         instructions=a.instructions, stream_text=a.stream_text)
     params = SamplingParams.greedy() if a.greedy else SamplingParams()
@@ -66,7 +73,8 @@ SERVE_PROFILE_FLAGS = {
     "max_seq_len": "max_seq_len", "first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
     "talker_threads": "talker_threads", "codec_threads": "codec_threads",
     "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
-    "kv_budget_mb": "kv_budget_mb",
+    "kv_budget_mb": "kv_budget_mb", "weight_path": "weight_path", "compile": "compile",
+    "fidelity_first": "fidelity_first",
 }
 
 
@@ -100,11 +108,13 @@ def effective_profile(a: argparse.Namespace, path, hw=None):
             if dest == "dtype" and v not in DTYPES:
                 raise ValueError(f"unknown dtype '{v}': use fp32 or bf16")
             user[fld] = DTYPES[v] if dest == "dtype" else v
+    if user.get("weight_path") in ("int8", "int4"):
+        user.setdefault("dtype", "bfloat16")  # the low-bit kernels compute in bf16
     if user.get("dtype") == "float32":
         user.setdefault("weight_path", "fp32")
-    elif user.get("dtype") == "bfloat16":
-        user.setdefault("weight_path", "bf16")
     if a.profile == "none":
+        if user.get("dtype") == "bfloat16":
+            user.setdefault("weight_path", "bf16")
         prof = DeployProfile(**user)
         return prof, {k: ("user" if k in user else "default") for k in prof.__dataclass_fields__}
     cfg = read_config(path)
@@ -129,6 +139,8 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
         schedule=ChunkSchedule(first=prof.first_chunk, steady=prof.steady_chunk),
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement,
+        weight_path=prof.weight_path if prof.weight_path in ("int8", "int4") else None,
+        compile=prof.compile,
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not a.no_throttle, cpu_sets=dict(prof.cpu_sets))
     return settings, prof, sources
@@ -204,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-text", action="store_true", help="feed text token by token")
     s.add_argument("--dtype", default="fp32")
     s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--weight-path", choices=["bf16", "fp32", "int8", "int4"], default=None,
+                   help="int8/int4: low-bit talker/code-predictor weights (compute in bf16)")
+    s.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder steps (cached across runs)")
     s.add_argument("--out", default=None, help="output wav path")
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)
@@ -228,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cp-threads", type=int, default=None, help="code-predictor threads (split)")
     v.add_argument("--kv-budget-mb", type=float, default=None,
                    help="talker KV admitted at once (default: the static cache, streams x seq len)")
+    v.add_argument("--weight-path", choices=["bf16", "fp32", "int8", "int4"], default=None,
+                   help="talker/code-predictor weights (default: from the profile; int8/int4 "
+                        "are CPU low-bit paths computing in bf16)")
+    v.add_argument("--fidelity-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep exact bf16/fp32 weights even where int8 would be faster")
+    v.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decoder steps, cached across restarts "
+                        "(default: from the profile)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments
@@ -244,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_stream.observability.report import add_stats_parser
 
     add_stats_parser(sub)
+    from omni_stream.edge.export.cli import add_export_parser
+
+    add_export_parser(sub)
     return p
 
 
