@@ -182,6 +182,23 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_decoder(a: argparse.Namespace) -> int:
+    from omni_stream.export.decoder import ExportError, export_program
+    from omni_stream.export.manifest import ManifestError
+    from omni_stream.models.synthesis import resolve_model_path
+
+    try:
+        m = export_program(resolve_model_path(a.model), a.format, a.out, max_chunk=a.max_chunk,
+                           progress=not a.no_progress, overwrite=a.overwrite)
+    except (ExportError, ManifestError, ValueError) as e:
+        print(f"omni-stream export-decoder: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {m.program_path} ({m.program_bytes / 1e6:.1f} MB, {m.format}, chunks "
+          f"1..{m.max_chunk_frames} frames, self-check SNR {m.verified.get('snr_db')} dB) and "
+          f"{m.path}")
+    return 0
+
+
 def _prod(shape) -> int:
     n = 1
     for d in shape:
@@ -258,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(v)
     v.set_defaults(func=cmd_serve)
+
+    x = sub.add_parser("export-decoder", help="export the streaming Code2Wav for client-side "
+                                              "decoding (pt2, AOTInductor or ExecuTorch .pte)")
+    x.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
+    x.add_argument("--format", choices=["pt2", "aoti", "pte"], required=True)
+    x.add_argument("--out", required=True, help="output folder (program + manifest.json)")
+    x.add_argument("--max-chunk", type=int, default=32,
+                   help="most frames one decode call takes (the server's chunk cap)")
+    x.add_argument("--overwrite", action="store_true")
+    x.add_argument("--no-progress", action="store_true", help="no progress bar")
+    x.set_defaults(func=cmd_export_decoder)
 
     pr = sub.add_parser("profile", help="print the probed hardware and the effective profile")
     pr.add_argument("--model", default="default")

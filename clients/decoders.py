@@ -1,0 +1,173 @@
+"""Client-side Code2Wav: turn the codec frames a server streams into audio on this device.
+
+Two backends behind one small interface (``check_server``, ``decode``):
+
+* ``TorchDecoder``: the streaming decoder in eager torch (``Code2WavStream``, one slot), from a
+  checkpoint folder; needs the omni-stream package.
+* ``ProgramDecoder``: a program from ``omni-stream export-decoder`` (``.pte`` via the ExecuTorch
+  runtime; ``pt2`` / ``aoti`` via torch), from its manifest. The state tensors the program takes
+  and returns are held here, one stream at a time.
+
+Both validate the frames before decoding (an out-of-range code would index past a codebook
+table inside a compiled program) and check the server's announced codec against their own, so
+a decoder for another model fails with a clear error instead of producing noise.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from omni_stream.export.manifest import (CodecIdentity, Manifest, ManifestError,
+                                          check_codec_match)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecoderError", "FrameDecoder", "TorchDecoder", "ProgramDecoder", "make_decoder"]
+
+
+class DecoderError(RuntimeError):
+    """A local decoder that cannot be set up or cannot decode what arrived; says what to do."""
+
+
+class FrameDecoder:
+    """Decode one stream's codec frames, in order, into float32 samples in [-1, 1]."""
+
+    name = "?"
+    identity: CodecIdentity
+    source = ""  # where the decoder came from, for error messages
+
+    @property
+    def sample_rate(self) -> int:
+        return self.identity.sample_rate
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.identity.samples_per_frame
+
+    def check_server(self, announced: Mapping[str, Any], server_model: str = "") -> None:
+        """Raise DecoderError unless the server's codec (``session.codec``) is this decoder's."""
+        try:
+            check_codec_match(self.identity, announced, f"the {self.name} decoder", self.source,
+                              server_model)
+        except ManifestError as e:
+            raise DecoderError(str(e)) from None
+
+    def reset(self) -> None:
+        """Start a new stream (the next frames are frame 0 of an utterance)."""
+        raise NotImplementedError
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """``codes [n, Q]`` int -> ``[n * samples_per_frame]`` float32: the next samples."""
+        raise NotImplementedError
+
+    def _checked(self, codes: np.ndarray) -> torch.Tensor:
+        q, size = self.identity.num_codebooks, self.identity.codebook_size
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != q or codes.shape[0] < 1:
+            raise DecoderError(f"codec frames must be [frames, {q}], got {list(codes.shape)}: "
+                               "the server sent frames for another codec")
+        if codes.dtype.kind not in "iu":
+            raise DecoderError(f"codec frames must be integers, got {codes.dtype}")
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= size:
+            raise DecoderError(f"codec frame values must lie in [0, {size}), got [{lo}, {hi}]: "
+                               "the server sent codes for another codec")
+        return torch.from_numpy(np.array(codes.T, dtype=np.int64, order="C"))[None]  # [1, Q, n]
+
+
+class TorchDecoder(FrameDecoder):
+    """Eager streaming Code2Wav from a checkpoint folder (``speech_tokenizer/``)."""
+
+    name = "torch"
+
+    def __init__(self, model_dir: str | Path, threads: int | None = None) -> None:
+        from omni_stream.export.manifest import codec_identity
+        from omni_stream.models.checkpoint import CheckpointError, load_codec
+        from omni_stream.models.code2wav import Code2WavStream
+
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            self.model = load_codec(model_dir, dtype=torch.float32).eval()
+            self.identity = codec_identity(model_dir)
+        except CheckpointError as e:
+            raise DecoderError(f"--decoder-backend torch: {e}: pass --codec-model with the "
+                               "checkpoint folder the server runs") from e
+        self.source = str(model_dir)
+        self._stream_cls = Code2WavStream
+        self.reset()
+
+    def reset(self) -> None:
+        with torch.inference_mode():
+            self.stream = self._stream_cls(self.model, 1)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        x = self._checked(codes)
+        with torch.inference_mode():
+            return self.stream.decode([0], x)[0].float().numpy()
+
+
+class ProgramDecoder(FrameDecoder):
+    """An exported streaming step (``pte`` / ``pt2`` / ``aoti``) from its manifest."""
+
+    def __init__(self, manifest: str | Path, require_format: str | None = None) -> None:
+        from omni_stream.export.runtime import load_program
+
+        try:
+            self.manifest = m = Manifest.read(manifest)
+            if require_format and m.format != require_format:
+                raise ManifestError(f"{m.path} describes a '{m.format}' program; this backend "
+                                    f"runs '{require_format}': export one with "
+                                    f"`omni-stream export-decoder --format {require_format}`")
+            self._fn = load_program(m.format, m.check_program_file())
+        except ManifestError as e:
+            raise DecoderError(str(e)) from e
+        self.name = {"pte": "executorch"}.get(m.format, m.format)
+        self.identity = m.codec
+        self.source = str(m.path)
+        self.max_chunk = m.max_chunk_frames
+        self._dtypes = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bfloat16}
+        self.reset()
+
+    def check_server(self, announced: Mapping[str, Any], server_model: str = "") -> None:
+        try:
+            self.manifest.check_against(announced, server_model)
+        except ManifestError as e:
+            raise DecoderError(str(e)) from None
+
+    def reset(self) -> None:
+        self.state = [torch.zeros(s["shape"], dtype=self._dtypes[s["dtype"]])
+                      for s in self.manifest.state]
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        x = self._checked(codes)
+        out = []
+        for at in range(0, x.shape[2], self.max_chunk):  # the program takes <= max_chunk frames
+            try:
+                wav, self.state = self._fn(x[:, :, at:at + self.max_chunk], self.state)
+            except (RuntimeError, ValueError) as e:
+                raise DecoderError(f"{self.name} decoder failed on frames {at}..: {e}") from e
+            out.append(wav.reshape(-1).float().numpy())
+        return np.concatenate(out)
+
+
+def make_decoder(backend: str, manifest: str | None = None,
+                 codec_model: str | None = None) -> FrameDecoder:
+    """The client's ``--decoder-backend`` (torch | executorch) as a decoder, or a DecoderError
+    naming the missing option."""
+    if backend == "executorch":
+        if not manifest:
+            raise DecoderError("--decoder-backend executorch needs --pte-manifest PATH (from "
+                               "`omni-stream export-decoder --format pte --out DIR`)")
+        return ProgramDecoder(manifest, require_format="pte")
+    if backend == "torch":
+        if not codec_model:
+            raise DecoderError("--decoder-backend torch needs --codec-model DIR: the checkpoint "
+                               "folder the server runs (its speech_tokenizer/ is loaded)")
+        return TorchDecoder(codec_model)
+    raise DecoderError(f"unknown decoder backend '{backend}': use server, torch or executorch")

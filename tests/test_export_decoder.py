@@ -1,0 +1,195 @@
+"""Decoder export: the functional streaming step, the pt2 program and its manifest, and the
+server's codec-frame streams (same chunk schedule and end of stream as audio streams).
+
+The ``.pte`` export and the client backends are tested end to end in test_client_decode.py (one
+ExecuTorch lowering per session: about a minute on a 2-core CPU). AOTInductor is covered by the
+benchmark only (benchmarks/tts/decoder_export_bench.py): compiling the tiny codec takes more
+than a minute here, and it runs the same ExportedProgram the pt2 tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from omni_stream.cli import main as cli_main
+from omni_stream.export.decoder_step import DecoderStep, run_steps, state_specs
+from omni_stream.export.decoder import ExportError, export_program, snr_db
+from omni_stream.export.manifest import Manifest, ManifestError, codec_identity, file_sha256
+from omni_stream.models.checkpoint import load_codec
+from omni_stream.models.code2wav import Code2WavStream
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_ckpt):
+    return load_codec(tiny_ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def codes():
+    return torch.randint(0, 2048, (1, 16, 21), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def pt2_dir(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dec-pt2")
+    rc = cli_main(["export-decoder", "--model", str(tiny_ckpt), "--format", "pt2", "--out",
+                   str(out), "--max-chunk", str(MAX_CHUNK), "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def test_functional_step_equals_stream_and_one_pass(codec, codes):
+    """The exportable step (state in, state out) runs the same layers as Code2WavStream: same
+    samples at any chunking, and equal to the one-pass decode to float rounding."""
+    step = DecoderStep(codec).eval()
+    with torch.no_grad():
+        ref = codec(codes)
+    stream = Code2WavStream(codec, 2)
+    with torch.inference_mode():
+        streamed = torch.cat([stream.decode([1], codes[:, :, a:b])
+                              for a, b in ((0, 1), (1, 3), (3, 10), (10, 21))], dim=-1)
+    for chunks in ([1] * 6 + [15], [1, 2, 4, 8, 6], [21]):
+        got = run_steps(step, codes, chunks)
+        assert got.shape == ref.shape
+        assert snr_db(ref, got) > 100
+        torch.testing.assert_close(got, streamed, rtol=0, atol=1e-5)
+
+
+def test_state_specs_match_new_state(codec):
+    specs = state_specs(codec)
+    st = codec.new_state(1)
+    flat = [st.pos, *st.keys, *st.values, *st.tails]
+    assert [s.shape for s in specs] == [tuple(t.shape) for t in flat]
+    assert specs[0].name == "pos" and specs[0].dtype == "int64"
+    assert specs[1].name == "attn0.keys" and specs[1].shape[2] == codec.cfg.sliding_window - 1
+
+
+def test_pt2_program_decodes_exactly_at_any_chunking(pt2_dir, codec, codes):
+    from clients.decoders import ProgramDecoder
+
+    with torch.no_grad():
+        ref = codec(codes)[0].numpy()
+    dec = ProgramDecoder(pt2_dir / "manifest.json")
+    frames = codes[0].T.numpy()  # [T, 16]
+    for chunks in ([1, 2, 4, 8, 6], [3, 8, 10]):  # 10 > max chunk: the decoder splits it
+        dec.reset()
+        at, out = 0, []
+        for c in chunks:
+            out.append(dec.decode(frames[at:at + c]))
+            at += c
+        got = np.concatenate(out)
+        assert got.shape == ref.shape
+        assert snr_db(torch.from_numpy(ref), torch.from_numpy(got)) >= 80
+
+
+def test_manifest_records_what_a_client_needs(pt2_dir, tiny_ckpt, codec):
+    m = Manifest.read(pt2_dir)
+    raw = json.loads((pt2_dir / "manifest.json").read_text())
+    assert raw["sample_rate"] == 24000 and raw["left_context_frames"] == 0
+    assert (m.min_chunk_frames, m.max_chunk_frames) == (1, MAX_CHUNK)
+    assert m.codec.num_codebooks == 16 and m.codec.samples_per_frame == 1920
+    assert m.codec.codec_sha256 == codec_identity(tiny_ckpt).codec_sha256
+    assert m.program_sha256 == file_sha256(m.program_path)
+    assert m.program_bytes == m.program_path.stat().st_size
+    assert m.source_checkpoint == str(tiny_ckpt.resolve())
+    assert [tuple(s["shape"]) for s in m.state] == [s.shape for s in state_specs(codec)]
+    assert m.verified["snr_db"] >= 80 and m.exporter["torch"] == torch.__version__
+
+
+def test_codec_identity_tells_checkpoints_apart(tiny_ckpt, ckpt_factory):
+    a, b = codec_identity(tiny_ckpt), codec_identity(ckpt_factory("tiny", "custom_voice", 1))
+    assert a == codec_identity(tiny_ckpt)
+    assert a.codec_sha256 != b.codec_sha256 and a.num_codebooks == b.num_codebooks
+
+
+def test_manifest_checks_and_errors(pt2_dir, tmp_path, tiny_ckpt, ckpt_factory):
+    m = Manifest.read(pt2_dir / "manifest.json")
+    m.check_against(codec_identity(tiny_ckpt).as_dict(), "qwen3-tts")  # same model: fine
+    other = codec_identity(ckpt_factory("tiny", "custom_voice", 1)).as_dict()
+    with pytest.raises(ManifestError, match="is for another model: its codec weights"):
+        m.check_against(other, "qwen3-tts")
+    with pytest.raises(ManifestError, match="num_codebooks 16 here, 8"):
+        m.check_against({"num_codebooks": 8})
+    with pytest.raises(ManifestError, match="sample_rate 24000 here, 16000"):
+        m.check_against({"sample_rate": 16000})
+    with pytest.raises(ManifestError, match="not found: export one"):
+        Manifest.read(tmp_path / "nowhere.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ManifestError, match="bad JSON"):
+        Manifest.read(bad)
+    bad.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ManifestError, match="re-export"):
+        Manifest.read(bad)
+
+
+def test_export_refuses_bad_requests(pt2_dir, tiny_ckpt, tmp_path, capsys):
+    with pytest.raises(ExportError, match="exists: pass --overwrite"):
+        export_program(tiny_ckpt, "pt2", pt2_dir, max_chunk=MAX_CHUNK, progress=False)
+    with pytest.raises(ExportError, match="unknown format"):
+        export_program(tiny_ckpt, "onnx", tmp_path, progress=False)
+    rc = cli_main(["export-decoder", "--model", str(tmp_path / "missing"), "--format", "pt2",
+                   "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- server side: codec streams
+
+
+class _Out:
+    """Stands in for the codec stage's output ring: records what would be sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int, object, int]] = []
+
+    def put(self, payload, *, kind, stream_id, flags=0, **kw) -> None:
+        self.sent.append((stream_id, int(kind), payload, int(flags)))
+
+
+def test_codec_frame_streams_follow_the_audio_chunk_schedule(codec, monkeypatch):
+    """A codes-only stream fed the same frames as an audio stream is cut into the same chunks
+    and ends (END flag) on the same chunk; its chunks are the frames themselves."""
+    from omni_stream.stages import codec_stage
+    from omni_stream.transport import Flags, Message, MsgKind
+
+    clock = types.SimpleNamespace(t=100.0)
+    monkeypatch.setattr(codec_stage, "time", types.SimpleNamespace(
+        monotonic=lambda: clock.t, perf_counter=codec_stage.time.perf_counter))
+    out = _Out()
+    stage = codec_stage.CodecStage(codec, max_slots=2, out=out)
+
+    def msg(kind, sid, flags=0, payload=None):
+        return Message(int(kind), int(flags), sid, 0, 0, payload, 0, 0, 0, 0)
+
+    for sid, codes_only in ((1, 1), (2, 0)):  # schedule: first 1, growth x2, steady 4
+        stage.on_message(msg(MsgKind.EVENT, sid, Flags.FIRST,
+                             np.array([1, 2000, 4, codes_only, 7], dtype=np.int64)))
+    frames = np.random.default_rng(0).integers(0, 2048, (19, 16), dtype=np.int64)
+    for i, f in enumerate(frames):
+        for sid in (1, 2):
+            stage.on_message(msg(MsgKind.CODES, sid, Flags.END if i == len(frames) - 1 else 0,
+                                 f[None]))
+        clock.t += 0.02  # generation 4x faster than real time: slack builds, chunks grow
+        stage.iterate()
+    while stage.iterate():
+        pass
+    codes_chunks = [(p, f) for s, k, p, f in out.sent if s == 1]
+    pcm_chunks = [(p, f) for s, k, p, f in out.sent if s == 2]
+    assert all(k == MsgKind.CODES for s, k, _, _ in out.sent if s == 1)
+    assert [len(p) for p, _ in codes_chunks] == [len(p) // 1920 for p, _ in pcm_chunks]
+    assert [f for _, f in codes_chunks] == [f for _, f in pcm_chunks]
+    sizes = [len(p) for p, _ in codes_chunks]
+    assert sizes[0] == 1 and 1 < max(sizes) <= 4 and sum(sizes) == len(frames)  # a ramp
+    assert codes_chunks[-1][1] & Flags.END and not any(f & Flags.END for _, f in codes_chunks[:-1])
+    np.testing.assert_array_equal(np.concatenate([p for p, _ in codes_chunks]), frames)
+    assert stage.stats()["streams"] == 0 and not math.isnan(stage.stats()["decode_ms_per_frame"])
