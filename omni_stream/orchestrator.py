@@ -187,6 +187,7 @@ class PipelineBackend:
         self._closing = False
         self._completed = 0
         self._failed = 0
+        self.codec_info: dict | None = None  # announced to codec-frame clients (set in start)
 
     def _fingerprint(self) -> str:
         """Chunk-cost calibration holds for this hardware AND this model/deployment."""
@@ -240,6 +241,10 @@ class PipelineBackend:
 
     async def start(self) -> None:
         stepstats.configure("server")
+        from omni_stream.export.manifest import codec_identity  # hashes the codec weights once
+
+        self.codec_info = (await asyncio.get_running_loop().run_in_executor(
+            None, codec_identity, self.s.model_path)).as_dict()
         cleanup_stale()
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)

@@ -13,7 +13,10 @@ Client -> server (JSON text messages, field ``type``):
 
 Server -> client:
   ``session.created`` {session} on connect; ``session.updated`` {session} per accepted config;
-  per utterance ``audio.start`` {request_id, text, format, sample_rate, ...}, then the audio,
+  With a backend that can stream codec frames, ``session`` also holds ``codec`` {num_codebooks,
+  sample_rate, frame_rate, and where known codebook_size, samples_per_frame, codec_sha256,
+  model_size, variant}: what a client-side decoder must match (``omni-stream export-decoder``).
+  Per utterance ``audio.start`` {request_id, text, format, sample_rate, ...}, then the audio,
   then ``audio.done`` {request_id, usage}; ``session.done`` then close 1000.
   Audio is binary frames of pcm s16le mono at ``sample_rate``; with stream_format "sse",
   ``speech.audio.delta`` JSON events (base64 pcm) instead. With codec_frames, each binary frame
@@ -104,7 +107,16 @@ class WsSession:
         return {"model": self.st.backend.model_name, "voice": t.voice, "language": t.language,
                 "instructions": t.instructions, "seed": t.seed, "response_format": "pcm",
                 "stream_format": c.stream_format or "audio", "codec_frames": c.codec_frames,
-                "split_sentences": c.split_sentences, "sample_rate": self.st.backend.sample_rate}
+                "split_sentences": c.split_sentences, "sample_rate": self.st.backend.sample_rate,
+                **({"codec": self.codec()} if self.st.backend.supports_codec_frames else {})}
+
+    def codec(self) -> dict[str, Any]:
+        """What a client-side decoder must match: geometry, plus the codec weights' identity
+        (``codec_sha256``, from ``omni_stream.export.manifest.codec_identity``) where the
+        backend knows it."""
+        b = self.st.backend
+        return {"num_codebooks": NUM_CODE_GROUPS, "sample_rate": b.sample_rate,
+                "frame_rate": 1 / FRAME_SECONDS, **(getattr(b, "codec_info", None) or {})}
 
     # --- reader --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -213,8 +225,7 @@ class WsSession:
             start = {"type": "audio.start", "request_id": job.request_id, "text": job.text,
                      "sample_rate": st.backend.sample_rate}
             if job.stream_codes:
-                start.update(format="codec_frames", num_codebooks=NUM_CODE_GROUPS,
-                             frame_rate=1 / FRAME_SECONDS, dtype="int64")
+                start.update(format="codec_frames", dtype="int64", **self.codec())
             else:
                 start.update(format="pcm_s16le", channels=1)
             await self.send_json(start)
