@@ -4,6 +4,13 @@ Writes a wav (``--out``) or plays through sounddevice, and prints time to first 
 factor and the underruns a real-time player would have had.
 
     omni-stream-client --url http://127.0.0.1:8000 --text "Hello there." --voice ryan --out a.wav
+
+With ``--decoder-backend torch`` or ``executorch`` the server streams codec frames over its
+WebSocket (16 codes per 80 ms frame) and Code2Wav runs here:
+
+    omni-stream export-decoder --model CHECKPOINT --format pte --out dec/
+    omni-stream-client --text "Hello there." --decoder-backend executorch --pte-manifest dec/manifest.json --out a.wav
+    omni-stream-client --text "Hello there." --decoder-backend torch --codec-model CHECKPOINT --out a.wav
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class StreamResult:
     total_s: float
     arrivals: list[float] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
+    wire_bytes: int = 0  # payload bytes received (audio, or codec frames and their headers)
 
     @property
     def audio_s(self) -> float:
@@ -99,7 +107,8 @@ async def stream_speech(url: str, text: str, voice: str | None = None, language:
         raise ClientError("the server sent no audio")
     t_end = time.monotonic()
     pcm = np.frombuffer(b"".join(chunks), dtype="<i2")
-    return StreamResult(pcm, arrivals[0] - t0, t_end - t0, arrivals, durations)
+    return StreamResult(pcm, arrivals[0] - t0, t_end - t0, arrivals, durations,
+                        wire_bytes=len(pcm) * 2)
 
 
 def _player():
@@ -127,17 +136,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write a wav instead of playing")
     ap.add_argument("--prebuffer", type=float, default=0.0, help="player start-up buffer (s)")
     ap.add_argument("--decoder-backend", choices=BACKENDS, default="server",
-                    help="where Code2Wav runs: on the server (PCM over the wire) or here")
+                    help="where Code2Wav runs: on the server (PCM over the wire) or here "
+                         "(codec frames over the wire)")
+    ap.add_argument("--pte-manifest", default=None,
+                    help="executorch backend: manifest.json from `omni-stream export-decoder`")
+    ap.add_argument("--codec-model", default=None,
+                    help="torch backend: the checkpoint folder the server runs")
+    ap.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="cap on codec frames")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
     try:
+        extra = {k: v for k, v in (("greedy", a.greedy or None),
+                                   ("max_new_tokens", a.max_new_tokens)) if v is not None}
+        decoder = None
         if a.decoder_backend != "server":
-            raise ClientError(f"--decoder-backend {a.decoder_backend} is not available in this "
-                              "version: use --decoder-backend server")
+            from clients.decoders import DecoderError, make_decoder
+
+            try:  # before connecting: a missing or corrupt program fails without a request
+                decoder = make_decoder(a.decoder_backend, a.pte_manifest, a.codec_model)
+            except DecoderError as e:
+                raise ClientError(str(e)) from e
         player = None if a.out else _player()
         cb = (lambda x: player.write(x.reshape(-1, 1))) if player is not None else None
-        res = asyncio.run(stream_speech(a.url, a.text, a.voice, a.language, a.seed, a.model,
-                                        a.api_key, on_chunk=cb))
+        if decoder is None:
+            res = asyncio.run(stream_speech(a.url, a.text, a.voice, a.language, a.seed, a.model,
+                                            a.api_key, extra=extra, on_chunk=cb))
+        else:
+            from clients.codec_stream import stream_codes
+
+            res = asyncio.run(stream_codes(a.url, a.text, decoder, a.voice, a.language, a.seed,
+                                           a.model, a.api_key, extra=extra, on_chunk=cb))
         if a.out:
             import soundfile as sf
 
@@ -146,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         fig = dict(ttfa_ms=round(res.ttfa_s * 1e3, 1), audio_s=round(res.audio_s, 3),
                    rtf=round(res.rtf, 3), underruns=pb.underruns,
                    underrun_s=round(pb.underrun_s, 3), max_gap_ms=round(pb.max_gap_s * 1e3, 1),
-                   chunks=len(res.arrivals))
+                   chunks=len(res.arrivals), decoder_backend=a.decoder_backend,
+                   wire_bytes=res.wire_bytes)
         print(json.dumps(fig) if a.json else
               f"TTFA {fig['ttfa_ms']} ms | {fig['audio_s']} s audio | RTF {fig['rtf']} | "
               f"underruns {fig['underruns']} ({fig['underrun_s']} s) | max gap {fig['max_gap_ms']} ms"

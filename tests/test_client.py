@@ -77,6 +77,10 @@ def test_client_errors_are_clear(fake_server, tmp_path, capsys):
     assert client_main(["--url", fake_server, "--text", "hi", "--voice", "nobody",
                         "--out", str(tmp_path / "x.wav")]) == 2
     assert "400" in capsys.readouterr().err
+    # a local decoder backend needs its model: refused before any request
     assert client_main(["--url", fake_server, "--text", "hi", "--decoder-backend", "torch",
                         "--out", str(tmp_path / "x.wav")]) == 2
-    assert "use --decoder-backend server" in capsys.readouterr().err
+    assert "--decoder-backend torch needs --codec-model DIR" in capsys.readouterr().err
+    assert client_main(["--url", fake_server, "--text", "hi", "--decoder-backend", "executorch",
+                        "--out", str(tmp_path / "x.wav")]) == 2
+    assert "needs --pte-manifest PATH" in capsys.readouterr().err
