@@ -65,8 +65,9 @@ class Synthesizer:
         self.engine = FrameEngine(model.weights.talker, EngineShape(max_slots=1, max_seq_len=max_seq_len))
 
     @classmethod
-    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "Synthesizer":
-        return cls(load_model(resolve_model_path(path), dtype=dtype))
+    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                  weight_path: str | None = None) -> "Synthesizer":
+        return cls(load_model(resolve_model_path(path), dtype=dtype, weight_path=weight_path))
 
     @torch.inference_mode()
     def generate_codes(self, req: PromptRequest, params: SamplingParams, seed: int,
