@@ -48,6 +48,8 @@ class PipelineSettings:
     model_path: str
     model_name: str = "qwen3-tts"
     dtype: str = "float32"
+    weight_path: str | None = None  # talker/code-predictor weights: None = dtype, int8, int4
+    compile: bool = False  # torch.compile the decoder steps (cached across restarts)
     max_streams: int = 4  # talker slots
     max_seq_len: int = 2048
     max_queue: int = 16
@@ -93,6 +95,7 @@ class _Pipeline:
         self.ctrl, child_ctrl = ControlChannel.pair(ctx)
         spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                          max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
+                         weight_path=s.weight_path, compile=s.compile,
                          throttle=s.throttle, cpus=tuple(s.cpu_sets.get("talker", ())))
         cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                           threads=s.codec_threads, device=s.device,
@@ -106,6 +109,7 @@ class _Pipeline:
             cp_handles = (to_cp.handle("producer"), from_cp.handle("consumer"))
             pspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                               threads=s.cp_threads, device=s.device,
+                              weight_path=s.weight_path, compile=s.compile,
                               cpus=tuple(s.cpu_sets.get("cp", ())))
             self.cp = ctx.Process(target=run_cp_stage, name="omni-code-predictor", daemon=True,
                                   args=(pspec, to_cp.handle("consumer"), from_cp.handle("producer")))
@@ -191,7 +195,8 @@ class PipelineBackend:
 
     def _fingerprint(self) -> str:
         """Chunk-cost calibration holds for this hardware AND this model/deployment."""
-        key = [hardware_fingerprint(), str(self.s.model_path), self.s.dtype, self.s.max_streams,
+        key = [hardware_fingerprint(), str(self.s.model_path), self.s.dtype, self.s.weight_path,
+               self.s.compile, self.s.max_streams,
                self.s.placement, self.s.talker_threads, self.s.codec_threads]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 

@@ -33,11 +33,12 @@ def _env(override: dict) -> dict[str, str]:
     return {ENV_VAR: json.dumps(override)}
 
 
-def test_two_core_build_machine_one_thread_per_stage_together_bf16():
+def test_two_core_build_machine_one_thread_per_stage_together_bf16_int8():
     p, src = _build(_machine("local_xeon_2c"))
     assert (p.talker_threads, p.codec_threads, p.cp_threads) == (1, 1, 1)
     assert p.placement == "together" and p.device == "cpu" and not p.cuda_graphs
-    assert (p.dtype, p.weight_path) == ("bfloat16", "bf16")  # the ISA has avx512_bf16
+    # the ISA has avx512_bf16 (bf16 compute, low-bit kernels) and the model is 0.9B: int8
+    assert (p.dtype, p.weight_path) == ("bfloat16", "int8")
     assert p.cpu_sets == {"talker": (0,), "codec": (1,)}
     for k in ("talker_threads", "codec_threads", "placement", "dtype", "weight_path",
               "cpu_sets", "max_streams", "kv_budget_mb", "device"):
@@ -115,11 +116,11 @@ def test_calibration_then_user_win_and_are_marked():
     assert (p.first_chunk, p.steady_chunk) == (2, 10)
     assert src["first_chunk"] == src["steady_chunk"] == "calibration"
     p, src = _build(hw, calibration=ChunkPolicy(first=3, steady=6),
-                    user={"steady_chunk": 12, "talker_threads": 2, "dtype": "float32",
-                          "weight_path": "int8", "queue_timeout_s": 2.5})
+                    user={"steady_chunk": 12, "talker_threads": 2, "dtype": "bfloat16",
+                          "weight_path": "int4", "queue_timeout_s": 2.5})
     assert (p.first_chunk, p.steady_chunk) == (3, 12)
     assert src["first_chunk"] == "calibration" and src["steady_chunk"] == "user"
-    assert (p.talker_threads, p.dtype, p.weight_path) == (2, "float32", "int8")
+    assert (p.talker_threads, p.dtype, p.weight_path) == (2, "bfloat16", "int4")
     for k in ("steady_chunk", "talker_threads", "dtype", "weight_path", "queue_timeout_s"):
         assert src[k] == "user"
 
@@ -131,7 +132,7 @@ def test_user_overrides_every_field():
             "cp_threads": 1, "placement": "split", "cpu_sets": {"talker": [0], "cp": [1],
                                                                 "codec": [2, 3]},
             "cuda_graphs": False, "compile": False, "first_chunk": 2, "steady_chunk": 4,
-            "queue_timeout_s": 1.0}
+            "queue_timeout_s": 1.0, "fidelity_first": True}
     assert set(user) == set(FIELDS)
     p, src = _build(hw, calibration={"first_chunk": 5, "steady_chunk": 9}, user=user)
     assert set(src.values()) == {"user"}
@@ -195,3 +196,32 @@ def test_profile_validation():
         DeployProfile(first_chunk=4, steady_chunk=2)
     with pytest.raises(ValueError, match="cuda_graphs"):
         DeployProfile(device="cpu", cuda_graphs=True)
+
+
+def test_weight_path_derivation_speed_first_and_fidelity_first():
+    hw = _machine("local_xeon_2c")  # avx512_bf16 + amx: the low-bit kernels run natively
+    p, src = _build(hw)
+    assert p.weight_path == "int8" and src["weight_path"] == "derived"
+    p, src = _build(hw, user={"fidelity_first": True})
+    assert (p.dtype, p.weight_path) == ("bfloat16", "bf16") and src["weight_path"] == "derived"
+    small, _ = build_profile(hw, model_bytes=50_000_000, kv_bytes_per_token=KV_PER_TOKEN)
+    assert small.weight_path == "bf16"  # small models are op-bound: exact weights
+    p, _ = _build(hw, user={"dtype": "float32"})
+    assert p.weight_path == "fp32"  # fp32 compute asked for: no bf16 low-bit kernels
+    no_bf16 = load_profile(_env({"isa": ["avx", "avx2", "fma", "avx512_vnni"]}),
+                           root=str(HW / "local_xeon_2c"), use_torch=False)
+    assert _build(no_bf16)[0].weight_path == "fp32"
+    assert _build(_machine("phone_biglittle"))[0].weight_path in ("bf16", "fp32")
+    gpu, _ = _build(_machine("desktop_rtx4090", RTX_TORCH))
+    assert gpu.weight_path == "bf16"
+    p, src = _build(hw, user={"weight_path": "int4"})
+    assert p.weight_path == "int4" and src["weight_path"] == "user"
+
+
+def test_low_bit_weight_paths_need_bf16_on_cpu():
+    with pytest.raises(ValueError, match="computes in bf16"):
+        DeployProfile(dtype="float32", weight_path="int8")
+    with pytest.raises(ValueError, match="CPU path"):
+        DeployProfile(dtype="bfloat16", weight_path="int4", device="cuda")
+    with pytest.raises(ValueError, match="fidelity_first must be true or false"):
+        DeployProfile(fidelity_first="yes")

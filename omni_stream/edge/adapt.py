@@ -41,6 +41,12 @@ BF16_ISA = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
 # 1/1 had the best TTFA and no underruns, the naive 2/2 the worst (oversubscription):
 # benchmarks/tts/results/cpu_thread_sweep.json.
 SMALL_CPU_CORES = 4
+# Low-bit weights (models.quant): torch's int8/int4 CPU kernels take bf16 activations, so they
+# pay off where bf16 is native (x86 AVX512-BF16/AMX; measured on the build machine: int8 2.6x,
+# int4 3-4x a bf16 GEMV of the same shape). Models smaller than this are bound by per-op
+# overhead, not weight bytes, and keep exact weights.
+LOWBIT_ISA = frozenset({"avx512_bf16", "amx_bf16"})
+LOWBIT_MIN_MODEL_BYTES = 512 << 20
 SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
 MAX_STAGE_THREADS = 8  # per-frame GEMMs are tiny (batch = streams); more threads only sync
 # Memory usable for weights + KV when no free figure is given: the rest is the OS, activations,
@@ -61,6 +67,7 @@ class DeployProfile:
 
     dtype: str = "float32"
     weight_path: str = "fp32"
+    fidelity_first: bool = False  # keep exact (bf16/fp32) weights even where int8 is faster
     device: str = "cpu"
     max_streams: int = 4
     max_seq_len: int = 2048
@@ -90,13 +97,20 @@ class DeployProfile:
         if self.steady_chunk < self.first_chunk:
             raise ValueError(f"steady_chunk ({self.steady_chunk}) must be >= first_chunk "
                              f"({self.first_chunk})")
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "fidelity_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device 'cuda'; set cuda_graphs false on CPU")
         if self.device == "cpu" and self.dtype == "float32" and self.weight_path == "bf16":
             raise ValueError("weight_path 'bf16' needs dtype 'bfloat16'; use weight_path 'fp32'")
+        if self.weight_path in ("int8", "int4"):
+            if self.device != "cpu":
+                raise ValueError(f"weight_path {self.weight_path!r} is a CPU path; on "
+                                 f"{self.device} use weight_path 'bf16'")
+            if self.dtype != "bfloat16":
+                raise ValueError(f"weight_path {self.weight_path!r} computes in bf16: set dtype "
+                                 "'bfloat16' (or weight_path 'fp32')")
         if not _is_number(self.queue_timeout_s) or self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         if self.kv_budget_mb is not None and (not _is_number(self.kv_budget_mb)
@@ -191,6 +205,20 @@ def _ordered_cpus(hw: HardwareProfile) -> list[int]:
     return [c for ids, _ in hw.clusters for c in ids]  # big cluster first
 
 
+def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
+                       fidelity_first: bool = False, dtype_user: str | None = None) -> str:
+    """int8 where its kernels run natively and the model is big enough to be bound by weight
+    bytes, unless fidelity comes first (or the user asked for fp32 compute); else the exact
+    weights of the compute dtype. int4 is faster still but costs more fidelity
+    (benchmarks/tts/results/weight_path_bench.json): a user choice, never derived."""
+    bf16 = device == "cuda" or _bf16_native(hw)
+    exact = "bf16" if bf16 and dtype_user != "float32" else "fp32"
+    if (device == "cpu" and not fidelity_first and dtype_user != "float32"
+            and hw.isa & LOWBIT_ISA and model_bytes >= LOWBIT_MIN_MODEL_BYTES):
+        return "int8"
+    return exact
+
+
 def derive_threads(hw: HardwareProfile, device: str, placement: str) -> dict[str, int]:
     """Intra-op threads per stage from physical cores (see the constants for the evidence)."""
     cores = hw.physical_cores
@@ -268,7 +296,9 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     out: dict[str, Any] = {
         "device": device,
         "dtype": "bfloat16" if bf16 else "float32",
-        "weight_path": "bf16" if bf16 else "fp32",
+        "weight_path": derive_weight_path(hw, device, model_bytes=model_bytes,
+                                          fidelity_first=bool(inputs.get("fidelity_first")),
+                                          dtype_user=inputs.get("dtype_user")),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
         "cuda_graphs": on_gpu,
@@ -311,6 +341,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
     inputs = {"max_seq_len": pre["max_seq_len"], "max_streams": pre["max_streams"],
               "placement_user": user.get("placement"), "device_user": user.get("device"),
               "dtype_user": user.get("dtype"), "weight_path_user": user.get("weight_path"),
+              "fidelity_first": pre.get("fidelity_first", False),
               "kv_budget_mb_user": user.get("kv_budget_mb"),
               "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,
@@ -353,6 +384,7 @@ def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
 
 __all__ = [
     "CLASS_DIR", "DEFAULTS", "FIELDS", "DeployProfile", "build_profile", "derive",
-    "derive_cpu_sets", "derive_memory", "derive_threads", "format_profile", "load_class_file",
+    "derive_cpu_sets", "derive_memory", "derive_threads", "derive_weight_path", "format_profile",
+    "load_class_file",
     "profile_to_dict",
 ]

@@ -95,9 +95,15 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
     from omni_stream.models.checkpoint import load_model
 
     inp, out = in_handle.open(), out_handle.open()
-    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
+                       weight_path=spec.weight_path)
     engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,
                                                            max_trailing=1), device=spec.device)
+    if spec.compile:
+        from omni_stream.models.compiled import compile_engine, warm_up
+
+        compile_engine(engine)
+        warm_up(engine, code_predictor_only=True)
     out.put(None, kind=MsgKind.EVENT, seq=READY, timeout=30.0)
     try:
         serve_residuals(engine, inp, out, lambda: os.getppid() != 1 and inp.peer_alive())

@@ -274,6 +274,8 @@ class StageSpec:
     device: str = "cpu"
     throttle: bool = True
     cpus: tuple[int, ...] = ()  # pin the stage to these CPUs (empty: no pinning)
+    weight_path: str | None = None  # None: weights in dtype; int8/int4: models.quant
+    compile: bool = False  # torch.compile the decoder steps (models.compiled)
 
 
 def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
@@ -284,9 +286,15 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     from omni_stream.models.checkpoint import load_model
 
     out = frames_handle.open()
-    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
+                       weight_path=spec.weight_path)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
                         out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle))
+    if spec.compile:
+        from omni_stream.models.compiled import compile_engine, warm_up
+
+        compile_engine(stage.engine)
+        warm_up(stage.engine)
     if spec.device.startswith("cuda") and cp_handles is None:
         stage.enable_graphs()
     if cp_handles is not None:

@@ -1,0 +1,90 @@
+"""torch.compile of the decoder steps, with the compiled kernels cached across restarts.
+
+What is compiled: the talker's and the code predictor's ``DecoderStack.run`` (layers, norms,
+rotary, attention, the low-bit matmuls as external calls), with dynamic shapes so one graph
+serves every batch size, prompt length and live cache length. Sampling stays eager (it is a
+handful of ops per frame).
+
+Warm start: inductor's FX-graph cache (generated C++ and its compiled .so) lives under
+``<cache>/compile/torch-<version>`` (``OMNI_STREAM_CACHE_DIR``, default ~/.cache/omni-stream),
+unless ``TORCHINDUCTOR_CACHE_DIR`` is already set. A second start with the same model shape,
+torch and CPU finds every graph there: it still traces (seconds) but compiles nothing. The
+counters ``compile_stats()`` returns say which happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from omni_stream.models.synthesis import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def compile_cache_dir() -> Path:
+    return cache_dir() / "compile" / f"torch-{torch.__version__.split('+')[0]}"
+
+
+def setup_cache() -> Path:
+    """Point inductor's on-disk caches at omni-stream's cache (a user's own setting wins).
+    torch fills the variable with its default (/tmp/torchinductor_<user>) on first use, so
+    that value counts as unset: /tmp is wiped on reboot and shared between users."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        d = compile_cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
+    import torch._inductor.config as ic
+
+    ic.fx_graph_cache = True
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def compile_engine(engine) -> None:
+    """Compile the decoder stacks ``engine`` (a ``FrameEngine``) runs. Idempotent."""
+    setup_cache()
+    for stack in (engine.talker.model, engine.talker.code_predictor.model):
+        if not getattr(stack, "_omni_compiled", False):
+            stack.run = torch.compile(stack.run, dynamic=True)
+            stack._omni_compiled = True
+
+
+def compile_stats() -> dict[str, int]:
+    """Inductor cache counters of this process: graphs compiled (miss) vs loaded (hit)."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return {"graphs_compiled": int(c.get("fxgraph_cache_miss", 0)),
+            "graphs_from_cache": int(c.get("fxgraph_cache_hit", 0))}
+
+
+@torch.inference_mode()
+def warm_up(engine, slot: int = 0, prompt_len: int = 8, frames: int = 2,
+            code_predictor_only: bool = False) -> float:
+    """Run a throwaway prefill and a few steps so every graph is compiled (or loaded) before
+    the first request. The slot is released after; its state is reset by the next prefill.
+    ``code_predictor_only``: just the code predictor (its own stage with placement split).
+    Returns the seconds it took."""
+    from omni_stream.config import SamplingParams
+
+    t0 = time.perf_counter()
+    if code_predictor_only:
+        for _ in range(frames):
+            engine._predict_residual(1)
+        return time.perf_counter() - t0
+    c = engine.talker.model.cfg.hidden_size
+    embeds = torch.zeros(prompt_len, c, dtype=engine.dtype, device=engine.device)
+    trailing = torch.zeros(1, c, dtype=engine.dtype, device=engine.device)
+    engine.prefill(slot, embeds, trailing, SamplingParams.greedy(), 0)
+    for _ in range(frames):
+        engine.step(slot + 1)
+    engine.release(slot)
+    took = time.perf_counter() - t0
+    log.info("compiled decoder steps warm in %.1f s (%s)", took, compile_stats())
+    return took
