@@ -92,6 +92,27 @@ def test_pt2_program_decodes_exactly_at_any_chunking(pt2_dir, codec, codes):
         assert snr_db(torch.from_numpy(ref), torch.from_numpy(got)) >= 80
 
 
+def test_export_self_check_catches_a_wrong_program(codec):
+    """The exporter's verify step is what stands between a broken lowering and a manifest."""
+    from omni_stream.export.decoder import verify
+    from omni_stream.export.decoder_step import DecoderStep
+
+    step = DecoderStep(codec).eval()
+
+    def exact(codes, state):
+        wav, *new = step(codes, *state)
+        return wav, new
+
+    def forgetful(codes, state):  # drops the state: what a wrongly lowered program might do
+        wav, *_ = step(codes, *[torch.zeros_like(s) for s in state])
+        return wav, state
+
+    ok = verify(codec, exact, max_chunk=4)
+    assert ok["snr_db"] > 100 and ok["chunks"][-1] == 4 and ok["frames"] == sum(ok["chunks"])
+    with pytest.raises(ExportError, match="does not match the eager decoder"):
+        verify(codec, forgetful, max_chunk=4)
+
+
 def test_manifest_records_what_a_client_needs(pt2_dir, tiny_ckpt, codec):
     m = Manifest.read(pt2_dir)
     raw = json.loads((pt2_dir / "manifest.json").read_text())
