@@ -141,6 +141,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
         cp_threads=prof.cp_threads, placement=prof.placement,
         weight_path=prof.weight_path if prof.weight_path in ("int8", "int4") else None,
         compile=prof.compile,
+        start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not a.no_throttle, cpu_sets=dict(prof.cpu_sets))
     return settings, prof, sources
