@@ -55,6 +55,18 @@ def test_int4_groups_round_to_within_half_a_step_with_bias(group):
     assert float(err.mean()) > 2 * float(e8)
 
 
+def test_fused_projections_equal_separate_ones(tiny_ckpt):
+    """Packing q|k|v (gate|up) into one matrix changes no output row."""
+    from omni_stream.models.quant import _fuse
+
+    lins = [_linear(64, 128, seed=s) for s in range(3)]
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    for mode in ("int8", "int4"):
+        fused = QuantizedLinear(_fuse(lins), mode)(x)
+        parts = torch.cat([QuantizedLinear(lin, mode)(x) for lin in lins], dim=-1)
+        assert torch.equal(fused, parts), mode
+
+
 def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="int8, int4"):
         QuantizedLinear(_linear(8, 64), "int3")
@@ -86,9 +98,15 @@ def test_quantized_model_swaps_every_decoder_linear_and_keeps_the_codec(tiny_pat
     plain = [n for n, mod in talker.named_modules() if isinstance(mod, nn.Linear)
              and not n.startswith("text_projection")]
     assert plain == []
-    n_layers = len(talker.model.layers) + len(talker.code_predictor.model.layers)
+    layers = list(talker.model.layers) + list(talker.code_predictor.model.layers)
     packed = [mod for mod in talker.modules() if isinstance(mod, QuantizedLinear)]
-    assert len(packed) >= 7 * n_layers + 1 + len(talker.code_predictor.lm_head)
+    # q|k|v and gate|up are fused: 4 matrices per layer, plus the codec head and the CP heads
+    assert len(packed) == 4 * len(layers) + 1 + len(talker.code_predictor.lm_head)
+    for layer in layers:
+        a = layer.self_attn
+        assert isinstance(a.qkv_proj, QuantizedLinear) and not hasattr(a, "q_proj")
+        assert a.qkv_proj.out_features == (a.n_heads + 2 * a.n_kv) * a.head_dim
+        assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     assert not any(isinstance(mod, QuantizedLinear) for mod in m.code2wav.modules())
     assert isinstance(talker.text_projection.linear_fc1, nn.Linear)
 

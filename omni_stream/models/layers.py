@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Module | None = None  # set by models.quant: q, k, v in one matmul
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -65,9 +66,14 @@ class Attention(nn.Module):
         """x [B, T, C]; caches [B, Hkv, L, D] (views); rows/pos [B, T] write indices;
         mask [B, 1, T, Lk] bool (True = attend), Lk <= L is the live cache length."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            hq, hk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self.qkv_proj(x).split((hq, hk, hk), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k_cache[rows, :, pos] = k.transpose(1, 2).to(k_cache.dtype)  # [B, T, Hkv, D]
@@ -86,8 +92,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, ffn, bias=False)
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by models.quant: gate and up at once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
