@@ -188,7 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['concurrency']:>4} {s['streams']:>3} | {s['ttfa_ms_p50']:8.0f} {s['ttfa_ms_p95']:7.0f} "
               f"{s['ttfa_ms_p99']:7.0f}    | {s['rtf_mean']:5.2f} | {s['max_gap_ms']:8.0f}    | "
               f"{s['underruns']:>9} {s['underrun_s']:6.2f} | {s['realtime_streams']}/{s['streams']}")
+    profile = {}
+    log_path = out.with_suffix(".server.log")
+    if args.model and log_path.is_file():  # the effective profile the server logged at start
+        import re
+
+        for key in ("weight_path", "dtype", "talker_threads", "codec_threads", "placement",
+                    "compile"):
+            m = re.search(rf"^{key}\s+(\S+)\s+(\S+)$", log_path.read_text(), re.M)
+            if m:
+                profile[key] = m.group(1)
     doc = dict(label=args.label, model=args.model or args.url, prebuffer_s=args.prebuffer,
+               server_args=args.server_args, profile=profile,
                summaries=summaries, streams=results,
                command="python benchmarks/tts/stream_latency_bench.py " + shlex.join(argv or sys.argv[1:]))
     out.write_text(json.dumps(doc, indent=1))

@@ -36,7 +36,9 @@ RESULTS = ROOT / "benchmarks" / "tts" / "results"
 OWN_OUTPUTS = ("summary.json",)
 HEADLINE = ("speedup_vs_official_per_frame", "ttfa_ms_p50_c1_0_6b", "rtf_c1_0_6b",
             "stateful_vs_window_decode_ratio", "max_realtime_streams_cpu_tiny",
-            "ttfa_ms_p50_c1_0_6b_cuda", "rtf_c1_0_6b_cuda")
+            "ttfa_ms_p50_c1_0_6b_cuda", "rtf_c1_0_6b_cuda", "rtf_c1_0_6b_quantized",
+            "quantized_path", "cold_start_s", "warm_start_s")
+LOW_BIT = ("int8", "int4")
 
 
 # ----------------------------------------------------------------------------- markdown helpers
@@ -257,6 +259,19 @@ def latency_runs(files: dict[str, tuple[float, Any]]) -> list[tuple[str, dict]]:
     return sorted(runs, key=lambda nd: -files[nd[0]][0])
 
 
+def weight_path_of(doc: dict) -> str | None:
+    """The low-bit weight path a latency run served with (from its server args, label or
+    command), None for exact weights."""
+    served = (doc.get("profile") or {}).get("weight_path")
+    if served:
+        return served if served in LOW_BIT else None
+    text = " ".join(str(doc.get(k, "")) for k in ("server_args", "label", "command")).lower()
+    for wp in LOW_BIT:
+        if f"--weight-path {wp}" in text or f"--weight-path={wp}" in text or f"-{wp}" in text:
+            return wp
+    return None
+
+
 def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dict:
     values: dict[str, Any] = {k: None for k in HEADLINE}
     commands: dict[str, str | None] = {k: None for k in HEADLINE}
@@ -295,7 +310,8 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
         k_ttfa, k_rtf = f"ttfa_ms_p50_c1_0_6b{suffix}", f"rtf_c1_0_6b{suffix}"
         found = None
         for name, d in runs:
-            if "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and is_cuda(d) == want_cuda:
+            if ("06b" in _norm(d.get("label")) + " " + _norm(d.get("model"))
+                    and is_cuda(d) == want_cuda and weight_path_of(d) is None):
                 c1 = [s for s in d["summaries"] if s.get("concurrency") == 1]
                 if c1:
                     found = (name, d, c1[0])
@@ -309,6 +325,37 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
             why = (f"no stream_latency*.json on {'CUDA' if want_cuda else 'CPU'} whose label or "
                    "model names 0.6b with a concurrency-1 level")
             missing[k_ttfa] = missing[k_rtf] = why
+
+    # the same on a low-bit weight path (CPU): the fastest path's run, with its name
+    best_q = None
+    for name, d in runs:
+        wp = weight_path_of(d)
+        if wp and "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and not is_cuda(d):
+            c1 = [s for s in d["summaries"] if s.get("concurrency") == 1]
+            if c1 and (best_q is None or c1[0]["rtf_mean"] < best_q[3]["rtf_mean"]):
+                best_q = (name, d, wp, c1[0])
+    if best_q:
+        name, d, wp, s = best_q
+        where = (f"label {d.get('label')!r}, weight path {wp}, concurrency 1, mean RTF over "
+                 "streams (fastest low-bit run)")
+        put("rtf_c1_0_6b_quantized", s["rtf_mean"], name, d, where)
+        put("quantized_path", wp, name, d, where)
+    else:
+        missing["rtf_c1_0_6b_quantized"] = missing["quantized_path"] = (
+            "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4")
+
+    ws = newest("warm_start_bench*.json")
+    if ws and isinstance(ws[1].get("cold_start_s"), (int, float)):
+        rows = {r.get("start"): r for r in ws[1].get("rows", [])}
+        warm = rows.get("warm", {})
+        detail = (f"model {ws[1].get('model')!r} {ws[1].get('server_args', '')}: launch to /health; "
+                  f"warm start compiled {warm.get('graphs_compiled')} graphs, loaded "
+                  f"{warm.get('graphs_from_cache')} from the cache; eager start "
+                  f"{ws[1].get('eager_start_s', float('nan')):.1f} s")
+        put("cold_start_s", ws[1]["cold_start_s"], ws[0], ws[1], detail)
+        put("warm_start_s", ws[1]["warm_start_s"], ws[0], ws[1], detail)
+    else:
+        missing["cold_start_s"] = missing["warm_start_s"] = "no warm_start_bench.json"
 
     # stateful (exact streaming) vs 25-frame window decode
     cw = newest("code2wav_bench*.json")
