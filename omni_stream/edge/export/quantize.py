@@ -10,9 +10,10 @@ Calibration data are the step's own feeds recorded while the fp32 graphs decode 
 (``RecordingRunner`` around the ORT runners of ``StepDecoder``): caches, masks and positions are
 those of an actual utterance, not random tensors.
 
-ONNX Runtime's CPU provider has no integer kernels for 16-bit activations: it runs these graphs
-as DequantizeLinear -> fp32 op -> QuantizeLinear, so their CPU latency says nothing about NPU
-speed; they are here for fidelity (what the integer graph computes) and for the converters.
+On ONNX Runtime CPU these graphs run with whatever its optimizer makes of the Q/DQ pairs
+(weight DequantizeLinear + MatMul may become integer kernels; 16-bit activation pairs stay extra
+elementwise work), so their CPU latency is a CPU figure, not an NPU one; they are here for
+fidelity (what the integer graph computes) and for the converters, which read the scales.
 """
 
 from __future__ import annotations
