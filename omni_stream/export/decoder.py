@@ -62,6 +62,8 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
         with bar.stage():
             model = load_codec(model_dir, dtype=torch.float32).eval()
             identity = codec_identity(model_dir)
+            if fmt == "pte":
+                native_conv_kernels(model)
             step = DecoderStep(model).eval()
         with bar.stage():
             ep = trace(step, max_chunk)
@@ -85,6 +87,16 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
                 verified=verified)
             manifest = Manifest.read(manifest.write(out))
     return manifest
+
+
+def native_conv_kernels(model) -> None:
+    """Stream the wide convs with the conv kernels instead of Code2Wav's im2col + GEMM path.
+    XNNPACK delegates convolutions but not those GEMMs (their weights are reshaped in the graph),
+    which left the four widest layers of the 0.6B codec to ExecuTorch's portable mm: ~50x slower
+    per frame (benchmarks/tts/decoder_export_bench.py). Same math, different rounding."""
+    for m in model.modules():
+        if hasattr(m, "gemm"):
+            m.gemm = False
 
 
 def trace(step: DecoderStep, max_chunk: int) -> "torch.export.ExportedProgram":

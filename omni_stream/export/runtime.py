@@ -20,9 +20,11 @@ __all__ = ["StepFn", "load_program"]
 StepFn = Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
-def load_program(fmt: str, path: str | Path) -> StepFn:
+def load_program(fmt: str, path: str | Path, threads: int | None = None) -> StepFn:
     """Load the program file of format ``fmt``; raises ManifestError naming the fix when the
-    file is unreadable or the runtime for the format is missing."""
+    file is unreadable or the runtime for the format is missing. ``threads``: intra-op threads
+    (torch's for pt2/aoti, ExecuTorch's XNNPACK threadpool for pte, which otherwise uses every
+    core whatever ``torch.set_num_threads`` says); None leaves the runtime's default."""
     path = Path(path)
     if fmt not in FORMATS:
         raise ManifestError(f"unknown program format '{fmt}': expected one of {', '.join(FORMATS)}")
@@ -30,7 +32,9 @@ def load_program(fmt: str, path: str | Path) -> StepFn:
         raise ManifestError(f"decoder program {path} is missing: re-export with "
                             "`omni-stream export-decoder`")
     if fmt == "pte":
-        return _load_pte(path)
+        return _load_pte(path, threads)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         if fmt == "pt2":
             fn = torch.export.load(str(path)).module()
@@ -48,12 +52,16 @@ def load_program(fmt: str, path: str | Path) -> StepFn:
     return run
 
 
-def _load_pte(path: Path) -> StepFn:
+def _load_pte(path: Path, threads: int | None) -> StepFn:
     try:
         from executorch.runtime import Runtime
     except ImportError as e:
         raise ManifestError(f"the executorch decoder needs the ExecuTorch runtime ({e}): "
                             "`pip install executorch==1.4.1`") from e
+    if threads:
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(threads)  # process-wide; experimental API in executorch 1.4
     try:
         method = Runtime.get().load_program(path).load_method("forward")
     except Exception as e:  # the runtime raises RuntimeError/ValueError on a bad file
