@@ -30,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from omni_stream.export.decoder import export_program, snr_db
@@ -123,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.inference_mode():
                         return s.decode([0], x)[0]
                 return run
-            meta = {}
         else:
             m = exported(model_dir, fmt, work, a.max_chunk, ident.codec_sha256)
             fn = load_program(fmt, m.check_program_file(), threads=a.threads)
@@ -138,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
                     wav, state = fn(x, state)
                     return wav[0]
                 return run
-            meta = {}
         # fidelity on this machine: 16 frames in ramp chunks vs the eager one-pass decode
         run = make()
         got = torch.cat([run(codes[:, :, a0:a0 + n].contiguous())
@@ -150,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(backend=fmt, chunk=chunk, ms_per_call=round(med * 1e3, 2),
                              ms_per_frame=round(med * 1e3 / chunk, 2),
                              rtf=round(med / (chunk * FRAME_S), 3),
-                             snr_db_vs_one_pass=round(snr, 1), **meta))
+                             snr_db_vs_one_pass=round(snr, 1)))
             log.info("%-5s chunk %d: %.1f ms/frame", fmt, chunk, med * 1e3 / chunk)
 
     wire = [wire_bytes(c) for c in (1, 4, 8)]
