@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from clients.decoders import DecoderError, FrameDecoder
-from clients.stream_client import ClientError, StreamResult
+from clients.result import ClientError, StreamResult
 
 WS_PATH = "/v1/audio/speech/stream"
 USE_SERVER = "use --decoder-backend server"
@@ -53,7 +53,7 @@ async def stream_codes(url: str, text: str, decoder: FrameDecoder, voice: str | 
                     raise ClientError(f"unexpected first WebSocket event {created.get('type')!r}")
                 await ws.send_str(json.dumps(config))
                 updated = await _next_event(ws)
-                _check_session(updated, decoder)
+                notes = _check_session(updated, decoder)
                 await ws.send_str(json.dumps({"type": "input.text", "text": text}))
                 await ws.send_str(json.dumps({"type": "session.close"}))
                 await res.read(ws)
@@ -69,7 +69,7 @@ async def stream_codes(url: str, text: str, decoder: FrameDecoder, voice: str | 
     t_end = time.monotonic()
     pcm = np.concatenate(res.pcm)
     return StreamResult(pcm, res.arrivals[0] - t0, t_end - t0, res.arrivals, res.durations,
-                        wire_bytes=res.wire_bytes)
+                        wire_bytes=res.wire_bytes, notes=notes)
 
 
 async def _next_event(ws) -> dict:
@@ -91,8 +91,9 @@ def _raise_error_event(ev: dict) -> None:
     raise ClientError(f"server error ({code or 'error'}): {msg}")
 
 
-def _check_session(ev: dict, decoder: FrameDecoder) -> None:
-    """The session.updated answer to our config: codec frames on, and the decoder matches."""
+def _check_session(ev: dict, decoder: FrameDecoder) -> list[str]:
+    """The session.updated answer to our config: codec frames on, and the decoder matches.
+    Returns notes for the user (a server decoding in another dtype)."""
     if ev.get("type") == "error":
         _raise_error_event(ev)
     if ev.get("type") != "session.updated":
@@ -106,6 +107,12 @@ def _check_session(ev: dict, decoder: FrameDecoder) -> None:
         raise ClientError("the server does not announce its codec, so the local decoder cannot "
                           f"be checked against it: update the server or {USE_SERVER}")
     decoder.check_server(codec, session.get("model", ""))
+    dtype = codec.get("decode_dtype", "float32")
+    if dtype != "float32":
+        return [f"the server decodes in {dtype} and the {decoder.name} decoder here in float32: "
+                f"the audio differs from --decoder-backend server by {dtype} rounding (this "
+                "side is the closer one to the fp32 reference)"]
+    return []
 
 
 class _Collect:

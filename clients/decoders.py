@@ -115,7 +115,8 @@ class TorchDecoder(FrameDecoder):
 class ProgramDecoder(FrameDecoder):
     """An exported streaming step (``pte`` / ``pt2`` / ``aoti``) from its manifest."""
 
-    def __init__(self, manifest: str | Path, require_format: str | None = None) -> None:
+    def __init__(self, manifest: str | Path, require_format: str | None = None,
+                 threads: int | None = None) -> None:
         from omni_stream.export.runtime import load_program
 
         try:
@@ -124,7 +125,7 @@ class ProgramDecoder(FrameDecoder):
                 raise ManifestError(f"{m.path} describes a '{m.format}' program; this backend "
                                     f"runs '{require_format}': export one with "
                                     f"`omni-stream export-decoder --format {require_format}`")
-            self._fn = load_program(m.format, m.check_program_file())
+            self._fn = load_program(m.format, m.check_program_file(), threads=threads)
         except ManifestError as e:
             raise DecoderError(str(e)) from e
         self.name = {"pte": "executorch"}.get(m.format, m.format)
@@ -156,18 +157,20 @@ class ProgramDecoder(FrameDecoder):
         return np.concatenate(out)
 
 
-def make_decoder(backend: str, manifest: str | None = None,
-                 codec_model: str | None = None) -> FrameDecoder:
+def make_decoder(backend: str, manifest: str | None = None, codec_model: str | None = None,
+                 threads: int | None = 1) -> FrameDecoder:
     """The client's ``--decoder-backend`` (torch | executorch) as a decoder, or a DecoderError
-    naming the missing option."""
+    naming the missing option. ``threads`` defaults to 1: one stream decodes in real time on
+    one core, and a second OpenMP thread on a busy machine stalls at every barrier (measured:
+    torch at 2 threads next to a busy core ran 10x slower than at 1)."""
     if backend == "executorch":
         if not manifest:
             raise DecoderError("--decoder-backend executorch needs --pte-manifest PATH (from "
                                "`omni-stream export-decoder --format pte --out DIR`)")
-        return ProgramDecoder(manifest, require_format="pte")
+        return ProgramDecoder(manifest, require_format="pte", threads=threads)
     if backend == "torch":
         if not codec_model:
             raise DecoderError("--decoder-backend torch needs --codec-model DIR: the checkpoint "
                                "folder the server runs (its speech_tokenizer/ is loaded)")
-        return TorchDecoder(codec_model)
+        return TorchDecoder(codec_model, threads=threads)
     raise DecoderError(f"unknown decoder backend '{backend}': use server, torch or executorch")

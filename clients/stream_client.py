@@ -20,39 +20,14 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from clients.playback import PlaybackReport, simulate_playback
+from clients.result import SAMPLE_RATE, ClientError, StreamResult
 
-SAMPLE_RATE = 24000
+__all__ = ["BACKENDS", "SAMPLE_RATE", "ClientError", "StreamResult", "stream_speech", "main"]
+
 BACKENDS = ("server", "torch", "executorch")
-
-
-class ClientError(RuntimeError):
-    """A failure the user can act on; the message says what to do."""
-
-
-@dataclass
-class StreamResult:
-    pcm: np.ndarray  # int16 mono
-    ttfa_s: float
-    total_s: float
-    arrivals: list[float] = field(default_factory=list)
-    durations: list[float] = field(default_factory=list)
-    wire_bytes: int = 0  # payload bytes received (audio, or codec frames and their headers)
-
-    @property
-    def audio_s(self) -> float:
-        return len(self.pcm) / SAMPLE_RATE
-
-    @property
-    def rtf(self) -> float:
-        return self.total_s / max(self.audio_s, 1e-9)
-
-    def playback(self, prebuffer_s: float = 0.0) -> PlaybackReport:
-        return simulate_playback(self.arrivals, self.durations, prebuffer_s)
 
 
 async def stream_speech(url: str, text: str, voice: str | None = None, language: str = "auto",
@@ -142,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="executorch backend: manifest.json from `omni-stream export-decoder`")
     ap.add_argument("--codec-model", default=None,
                     help="torch backend: the checkpoint folder the server runs")
+    ap.add_argument("--decoder-threads", type=int, default=1,
+                    help="threads of the local decoder (torch / executorch backends)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap on codec frames")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -154,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             from clients.decoders import DecoderError, make_decoder
 
             try:  # before connecting: a missing or corrupt program fails without a request
-                decoder = make_decoder(a.decoder_backend, a.pte_manifest, a.codec_model)
+                decoder = make_decoder(a.decoder_backend, a.pte_manifest, a.codec_model,
+                                       a.decoder_threads)
             except DecoderError as e:
                 raise ClientError(str(e)) from e
         player = None if a.out else _player()
@@ -167,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
             res = asyncio.run(stream_codes(a.url, a.text, decoder, a.voice, a.language, a.seed,
                                            a.model, a.api_key, extra=extra, on_chunk=cb))
+        for note in res.notes:
+            print(f"omni-stream-client: note: {note}", file=sys.stderr)
         if a.out:
             import soundfile as sf
 

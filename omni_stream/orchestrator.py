@@ -248,8 +248,9 @@ class PipelineBackend:
         stepstats.configure("server")
         from omni_stream.export.manifest import codec_identity  # hashes the codec weights once
 
-        self.codec_info = (await asyncio.get_running_loop().run_in_executor(
-            None, codec_identity, self.s.model_path)).as_dict()
+        ident = await asyncio.get_running_loop().run_in_executor(
+            None, codec_identity, self.s.model_path)
+        self.codec_info = {**ident.as_dict(), "decode_dtype": self.s.dtype}
         cleanup_stale()
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)

@@ -264,3 +264,21 @@ def test_decoder_rejects_frames_of_another_codec(pte_manifest):
         dec.decode(np.zeros((2, 8), dtype=np.int64))
     with pytest.raises(DecoderError, match=r"must lie in \[0, 2048\)"):
         dec.decode(np.full((1, 16), 4096, dtype=np.int64))
+
+
+def test_server_decoding_in_bf16_is_noted_not_refused(pte_manifest, tiny_ckpt, tmp_path, capsys):
+    """Same codec, but the server decodes in bf16: the client decodes (fp32) and says why its
+    audio will not equal --decoder-backend server's."""
+    from omni_stream.server.fake_backend import FakeBackend
+
+    backend = FakeBackend(model_name="qwen3-tts")
+    backend.codec_info = {**codec_identity(tiny_ckpt).as_dict(), "decode_dtype": "bfloat16"}
+    out = tmp_path / "x.wav"
+    with serving(backend) as url:
+        rc = client_main(["--url", url, "--text", "Hello there.", "--out", str(out),
+                          "--decoder-backend", "executorch", "--pte-manifest", str(pte_manifest)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "note: the server decodes in bfloat16" in err
+    data, sr = sf.read(out, dtype="int16")
+    assert sr == 24000 and len(data) > 0 and len(data) % 1920 == 0

@@ -15,7 +15,8 @@ Server -> client:
   ``session.created`` {session} on connect; ``session.updated`` {session} per accepted config;
   With a backend that can stream codec frames, ``session`` also holds ``codec`` {num_codebooks,
   sample_rate, frame_rate, and where known codebook_size, samples_per_frame, codec_sha256,
-  model_size, variant}: what a client-side decoder must match (``omni-stream export-decoder``).
+  model_size, variant, decode_dtype}: what a client-side decoder must match (``omni-stream
+  export-decoder``); ``decode_dtype`` is what the server itself decodes in.
   Per utterance ``audio.start`` {request_id, text, format, sample_rate, ...}, then the audio,
   then ``audio.done`` {request_id, usage}; ``session.done`` then close 1000.
   Audio is binary frames of pcm s16le mono at ``sample_rate``; with stream_format "sse",
@@ -225,7 +226,8 @@ class WsSession:
             start = {"type": "audio.start", "request_id": job.request_id, "text": job.text,
                      "sample_rate": st.backend.sample_rate}
             if job.stream_codes:
-                start.update(format="codec_frames", dtype="int64", **self.codec())
+                start.update(self.codec())
+                start.update(format="codec_frames", dtype="int64")  # dtype of the codes
             else:
                 start.update(format="pcm_s16le", channels=1)
             await self.send_json(start)
