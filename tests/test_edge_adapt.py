@@ -37,8 +37,9 @@ def test_two_core_build_machine_one_thread_per_stage_together_bf16_int8():
     p, src = _build(_machine("local_xeon_2c"))
     assert (p.talker_threads, p.codec_threads, p.cp_threads) == (1, 1, 1)
     assert p.placement == "together" and p.device == "cpu" and not p.cuda_graphs
-    # the ISA has avx512_bf16 (bf16 compute, low-bit kernels) and the model is 0.9B: int8
-    assert (p.dtype, p.weight_path) == ("bfloat16", "int8")
+    # the ISA has avx512_bf16 (bf16 compute, low-bit kernels), the model is 0.9B and the CPU
+    # small: int4
+    assert (p.dtype, p.weight_path) == ("bfloat16", "int4")
     assert p.cpu_sets == {"talker": (0,), "codec": (1,)}
     for k in ("talker_threads", "codec_threads", "placement", "dtype", "weight_path",
               "cpu_sets", "max_streams", "kv_budget_mb", "device"):
@@ -201,7 +202,10 @@ def test_profile_validation():
 def test_weight_path_derivation_speed_first_and_fidelity_first():
     hw = _machine("local_xeon_2c")  # avx512_bf16 + amx: the low-bit kernels run natively
     p, src = _build(hw)
-    assert p.weight_path == "int8" and src["weight_path"] == "derived"
+    assert p.weight_path == "int4" and src["weight_path"] == "derived"  # 2 cores: speed first
+    big = load_profile(_env({"physical_cores": 16}), root=str(HW / "local_xeon_2c"),
+                       use_torch=False)  # the same ISA on 16 cores: int8 keeps more fidelity
+    assert _build(big)[0].weight_path == "int8"
     p, src = _build(hw, user={"fidelity_first": True})
     assert (p.dtype, p.weight_path) == ("bfloat16", "bf16") and src["weight_path"] == "derived"
     small, _ = build_profile(hw, model_bytes=50_000_000, kv_bytes_per_token=KV_PER_TOKEN)
@@ -214,8 +218,8 @@ def test_weight_path_derivation_speed_first_and_fidelity_first():
     assert _build(_machine("phone_biglittle"))[0].weight_path in ("bf16", "fp32")
     gpu, _ = _build(_machine("desktop_rtx4090", RTX_TORCH))
     assert gpu.weight_path == "bf16"
-    p, src = _build(hw, user={"weight_path": "int4"})
-    assert p.weight_path == "int4" and src["weight_path"] == "user"
+    p, src = _build(hw, user={"weight_path": "int8"})
+    assert p.weight_path == "int8" and src["weight_path"] == "user"
 
 
 def test_low_bit_weight_paths_need_bf16_on_cpu():

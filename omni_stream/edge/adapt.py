@@ -42,9 +42,12 @@ BF16_ISA = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
 # benchmarks/tts/results/cpu_thread_sweep.json.
 SMALL_CPU_CORES = 4
 # Low-bit weights (models.quant): torch's int8/int4 CPU kernels take bf16 activations, so they
-# pay off where bf16 is native (x86 AVX512-BF16/AMX; measured on the build machine: int8 2.6x,
-# int4 3-4x a bf16 GEMV of the same shape). Models smaller than this are bound by per-op
-# overhead, not weight bytes, and keep exact weights.
+# pay off where bf16 is native (x86 AVX512-BF16/AMX). 0.6B talker + code predictor per frame on
+# the 2-core build machine (benchmarks/tts/results/weight_path_bench.json), 1 / 2 threads:
+# bf16 493 / 347 ms, int8 468 / 263 ms, int4 215 / 131 ms. Up to SMALL_CPU_CORES cores even
+# int4 is short of real time, so speed comes first there (int4); bigger CPUs get int8, which
+# keeps more fidelity (teacher-forced logits SNR vs bf16 28 dB vs 10 dB on random weights).
+# Models smaller than LOWBIT_MIN_MODEL_BYTES are bound by per-op overhead, not weight bytes.
 LOWBIT_ISA = frozenset({"avx512_bf16", "amx_bf16"})
 LOWBIT_MIN_MODEL_BYTES = 512 << 20
 SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
@@ -207,15 +210,15 @@ def _ordered_cpus(hw: HardwareProfile) -> list[int]:
 
 def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
                        fidelity_first: bool = False, dtype_user: str | None = None) -> str:
-    """int8 where its kernels run natively and the model is big enough to be bound by weight
-    bytes, unless fidelity comes first (or the user asked for fp32 compute); else the exact
-    weights of the compute dtype. int4 is faster still but costs more fidelity
-    (benchmarks/tts/results/weight_path_bench.json): a user choice, never derived."""
+    """Low-bit weights where their kernels run natively and the model is big enough to be bound
+    by weight bytes: int4 on small CPUs (<= SMALL_CPU_CORES cores, where speed is what is
+    missing), int8 on bigger ones; unless fidelity comes first (or the user asked for fp32
+    compute). Otherwise the exact weights of the compute dtype."""
     bf16 = device == "cuda" or _bf16_native(hw)
     exact = "bf16" if bf16 and dtype_user != "float32" else "fp32"
     if (device == "cpu" and not fidelity_first and dtype_user != "float32"
             and hw.isa & LOWBIT_ISA and model_bytes >= LOWBIT_MIN_MODEL_BYTES):
-        return "int8"
+        return "int4" if hw.physical_cores <= SMALL_CPU_CORES else "int8"
     return exact
 
 
