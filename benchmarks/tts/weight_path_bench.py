@@ -11,7 +11,8 @@ codec itself would cost (SNR of its waveform on the same codes), which is why it
     python benchmarks/tts/weight_path_bench.py --model /tmp/ck-06b --threads 1,2 --frames 16
 
 Prints a table, writes benchmarks/tts/results/weight_path_bench.json. Random-weight checkpoints
-have flat logits (small argmax margins), so the agreement figures are pessimistic.
+have flat logits (small argmax margins), so the agreement figures are pessimistic; the fp32 row
+(the exact model in full precision against bf16) shows how far rounding alone moves them.
 """
 
 from __future__ import annotations
@@ -106,13 +107,17 @@ def fidelity(model: str, paths: list[str], frames: int, threads: int) -> list[di
     req = PromptRequest(text=TEXT, language="english", speaker=voice)
     rows = []
     for wp in paths:
-        test = Synthesizer(load_model(model, dtype=torch.bfloat16, weight_path=wp), max_seq_len=512)
+        # fp32: the exact model in full precision, a yardstick for how flat random logits are
+        dt = torch.float32 if wp == "fp32" else torch.bfloat16
+        test = Synthesizer(load_model(model, dtype=dt, weight_path=None if wp == "fp32" else wp),
+                           max_seq_len=512)
         f = teacher_forced(ref, test, req, frames)
         codes = torch.randint(0, 2048, (1, ref.model.config.talker.num_code_groups, 8),
                               generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             wav = ref.model.code2wav(codes).float()
-            quantize_codec(test.model.code2wav, wp)
+            if wp != "fp32":
+                quantize_codec(test.model.code2wav, wp)
             codec_snr = snr_db(wav, test.model.code2wav(codes).float())
         rows.append(dict(path=wp, **f.as_dict(), codec_quantized_snr_db=codec_snr))
         del test
@@ -127,6 +132,8 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=16)
     ap.add_argument("--fidelity-frames", type=int, default=24)
     ap.add_argument("--compile", action="store_true", help="also time each path compiled")
+    ap.add_argument("--fidelity-only", action="store_true",
+                    help="recompute the fidelity rows only, keeping the speed rows of --out")
     ap.add_argument("--out", default=str(RESULTS / "weight_path_bench.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -138,6 +145,16 @@ def main() -> int:
         return 0
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     paths = a.paths.split(",")
+    fid_paths = ["fp32"] + [p for p in paths if p != "bf16"]
+    if a.fidelity_only:
+        doc = json.loads(Path(a.out).read_text())
+        doc["fidelity"] = fidelity(a.model, fid_paths, a.fidelity_frames,
+                                   max(int(x) for x in a.threads.split(",")))
+        doc["fidelity_command"] = " ".join(["python", "benchmarks/tts/weight_path_bench.py"] + sys.argv[1:])
+        Path(a.out).write_text(json.dumps(doc, indent=2))
+        for r in doc["fidelity"]:
+            print(r)
+        return 0
     speed = []
     for th in (int(x) for x in a.threads.split(",")):
         for comp in ([False, True] if a.compile else [False]):
@@ -161,7 +178,7 @@ def main() -> int:
                     and not b["compiled"])
         r["speedup_vs_bf16"] = base["frame_ms"] / r["frame_ms"]
         r["est_rtf_serial"] = (r["frame_ms"] + codec_ms[r["threads"]]) / (FRAME_S * 1e3)
-    fid = fidelity(a.model, [p for p in paths if p != "bf16"], a.fidelity_frames,
+    fid = fidelity(a.model, fid_paths, a.fidelity_frames,
                    max(int(x) for x in a.threads.split(",")))
     print(f"\n{'path':5} {'thr':>3} {'comp':>4} | {'MB/frame':>8} {'ms/frame':>8} {'x bf16':>6} "
           f"{'est RTF':>7}")

@@ -49,6 +49,11 @@ def setup_cache() -> Path:
 def compile_engine(engine) -> None:
     """Compile the decoder stacks ``engine`` (a ``FrameEngine``) runs. Idempotent."""
     setup_cache()
+    import torch._dynamo.config as dynamo_config
+
+    # the talker and the code predictor share DecoderStack.run's code object, and so its limit
+    # of compiled variants (8 by default): past it dynamo falls back to eager without a word
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     for stack in (engine.talker.model, engine.talker.code_predictor.model):
         if not getattr(stack, "_omni_compiled", False):
             stack.run = torch.compile(stack.run, dynamic=True)
@@ -65,26 +70,34 @@ def compile_stats() -> dict[str, int]:
 
 
 @torch.inference_mode()
-def warm_up(engine, slot: int = 0, prompt_len: int = 8, frames: int = 2,
-            code_predictor_only: bool = False) -> float:
-    """Run a throwaway prefill and a few steps so every graph is compiled (or loaded) before
-    the first request. The slot is released after; its state is reset by the next prefill.
-    ``code_predictor_only``: just the code predictor (its own stage with placement split).
-    Returns the seconds it took."""
+def warm_up(engine, frames: int = 2, code_predictor_only: bool = False) -> float:
+    """Run throwaway prefills and steps so every graph a server needs is compiled (or loaded)
+    before the first request, not during it. torch.compile specialises sizes 0 and 1 and
+    gives equal sizes one symbol, so the shapes here are chosen to differ the way real traffic
+    does: a prompt in two pieces (live length != piece length), then steps with one and with
+    two slots (batch 1 and batch > 1 are separate graphs). The slots are released after; their
+    state is reset by the next prefill. ``code_predictor_only``: just the code predictor (its
+    own stage with placement split). Returns the seconds it took."""
     from omni_stream.config import SamplingParams
 
     t0 = time.perf_counter()
+    slots = min(2, engine.shape.max_slots)
     if code_predictor_only:
-        for _ in range(frames):
-            engine._predict_residual(1)
+        for p in range(1, slots + 1):
+            for _ in range(frames):
+                engine._predict_residual(p)
         return time.perf_counter() - t0
     c = engine.talker.model.cfg.hidden_size
-    embeds = torch.zeros(prompt_len, c, dtype=engine.dtype, device=engine.device)
+    embeds = torch.zeros(7, c, dtype=engine.dtype, device=engine.device)
     trailing = torch.zeros(1, c, dtype=engine.dtype, device=engine.device)
-    engine.prefill(slot, embeds, trailing, SamplingParams.greedy(), 0)
-    for _ in range(frames):
-        engine.step(slot + 1)
-    engine.release(slot)
+    greedy = SamplingParams.greedy()
+    for slot in range(slots):
+        engine.prefill(slot, embeds, trailing, greedy, 0, start=0, final=False)
+        engine.prefill(slot, embeds[:5], trailing, greedy, 0, start=7, final=True)
+        for _ in range(frames):
+            engine.step(slot + 1)
+    for slot in range(slots):
+        engine.release(slot)
     took = time.perf_counter() - t0
     log.info("compiled decoder steps warm in %.1f s (%s)", took, compile_stats())
     return took
