@@ -34,7 +34,8 @@ def _run(ckpt, tmp_path, name: str, cache, compile_: bool) -> tuple[np.ndarray, 
     return np.load(codes), stats
 
 
-def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, tmp_path):
+def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, tmp_path,
+                                                                     monkeypatch):
     cache = tmp_path / "cache"
     eager, none = _run(tiny_ckpt, tmp_path, "eager", cache, False)
     assert none is None
@@ -43,9 +44,26 @@ def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, 
     assert any((cache / "compile").iterdir())
     warm_codes, warm = _run(tiny_ckpt, tmp_path, "warm", cache, True)
     assert warm == {"compiled": 0, "cached": cold["compiled"] + cold["cached"]}
-    assert np.array_equal(cold_codes, warm_codes)
-    # greedy int8 codes: the same computation (identical on the build machine); fused kernels
-    # may round a last bf16 bit differently, which can flip a near-tie in a residual codebook
+    assert np.array_equal(cold_codes, warm_codes)  # the same kernels, from the cache
     assert cold_codes.shape == eager.shape
-    assert np.array_equal(cold_codes[:, 0], eager[:, 0])
-    assert (cold_codes == eager).mean() >= 0.9
+
+    # compiled vs eager: fused kernels round bf16 differently, and on random weights a near-tie
+    # can flip one greedy code and everything after it, so compare teacher-forced (same history
+    # each frame): a wrong compiled step would show ~0 dB and chance agreement
+    import torch
+
+    from omni_stream.models.checkpoint import load_model
+    from omni_stream.models.compiled import compile_engine
+    from omni_stream.models.fidelity import teacher_forced
+    from omni_stream.models.prompt import PromptRequest
+    from omni_stream.models.synthesis import Synthesizer
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(next((cache / "compile").iterdir())))
+    ref, comp = (Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"),
+                             max_seq_len=256) for _ in range(2))
+    compile_engine(comp.engine)
+    req = PromptRequest(text="Compiled steps, cached.", language="auto", speaker="ryan")
+    f = teacher_forced(ref, comp, req, 8, codec=False)
+    assert f.frames == 8
+    assert f.logits_snr_db > 30 and f.code0_agreement >= 0.75, f
