@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
+
 log = logging.getLogger("omni_stream")
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -41,7 +43,7 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
     from omni_stream.models.synthesis import Synthesizer
 
     torch.set_num_threads(a.threads) if a.threads else None
-    dtype = torch.bfloat16 if a.weight_path in ("int8", "int4") else _dtype(a.dtype)
+    dtype = torch.bfloat16 if a.weight_path in LOW_BIT_WEIGHT_PATHS else _dtype(a.dtype)
     synth = Synthesizer.from_path(a.model, dtype=dtype, weight_path=a.weight_path)
     if a.compile:
         from omni_stream.models.compiled import compile_engine, compile_stats, warm_up
@@ -108,7 +110,7 @@ def effective_profile(a: argparse.Namespace, path, hw=None):
             if dest == "dtype" and v not in DTYPES:
                 raise ValueError(f"unknown dtype '{v}': use fp32 or bf16")
             user[fld] = DTYPES[v] if dest == "dtype" else v
-    if user.get("weight_path") in ("int8", "int4"):
+    if user.get("weight_path") in LOW_BIT_WEIGHT_PATHS:
         user.setdefault("dtype", "bfloat16")  # the low-bit kernels compute in bf16
     if user.get("dtype") == "float32":
         user.setdefault("weight_path", "fp32")
@@ -139,7 +141,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
         schedule=ChunkSchedule(first=prof.first_chunk, steady=prof.steady_chunk),
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement,
-        weight_path=prof.weight_path if prof.weight_path in ("int8", "int4") else None,
+        weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
         compile=prof.compile,
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
@@ -234,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-text", action="store_true", help="feed text token by token")
     s.add_argument("--dtype", default="fp32")
     s.add_argument("--threads", type=int, default=0)
-    s.add_argument("--weight-path", choices=["bf16", "fp32", "int8", "int4"], default=None,
+    s.add_argument("--weight-path", choices=WEIGHT_PATHS, default=None,
                    help="int8/int4: low-bit talker/code-predictor weights (compute in bf16)")
     s.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder steps (cached across runs)")
@@ -262,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cp-threads", type=int, default=None, help="code-predictor threads (split)")
     v.add_argument("--kv-budget-mb", type=float, default=None,
                    help="talker KV admitted at once (default: the static cache, streams x seq len)")
-    v.add_argument("--weight-path", choices=["bf16", "fp32", "int8", "int4"], default=None,
+    v.add_argument("--weight-path", choices=WEIGHT_PATHS, default=None,
                    help="talker/code-predictor weights (default: from the profile; int8/int4 "
                         "are CPU low-bit paths computing in bf16)")
     v.add_argument("--fidelity-first", action=argparse.BooleanOptionalAction, default=None,

@@ -302,6 +302,11 @@ class ModelConfig:
         )
 
 
+# Talker/code-predictor weight storage (models.quant). The low-bit ones compute in bf16 on CPU.
+WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
+LOW_BIT_WEIGHT_PATHS = ("int8", "int4")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (defaults are the official ones). Torch-free, so the

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
 from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
 
 CLASS_DIR = Path(__file__).parent / "classes"
 DTYPES = ("float32", "bfloat16")
-WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("together", "split")
 STAGES = ("talker", "cp", "codec")  # cpu_sets keys; 'cp' only with placement 'split'
@@ -107,7 +107,7 @@ class DeployProfile:
             raise ValueError("cuda_graphs needs device 'cuda'; set cuda_graphs false on CPU")
         if self.device == "cpu" and self.dtype == "float32" and self.weight_path == "bf16":
             raise ValueError("weight_path 'bf16' needs dtype 'bfloat16'; use weight_path 'fp32'")
-        if self.weight_path in ("int8", "int4"):
+        if self.weight_path in LOW_BIT_WEIGHT_PATHS:
             if self.device != "cpu":
                 raise ValueError(f"weight_path {self.weight_path!r} is a CPU path; on "
                                  f"{self.device} use weight_path 'bf16'")

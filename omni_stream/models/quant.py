@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
-QUANTIZED = ("int8", "int4")
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS as QUANTIZED
+from omni_stream.config import WEIGHT_PATHS
 DEFAULT_GROUP = 32  # same speed as 64/128 here (bench: int4 3072x1024 ~110 us at 32/64/128)
 
 
@@ -133,11 +133,9 @@ def _fuse_projections(root: nn.Module, mode: str, group_size: int) -> int:
     return n
 
 
-def _replace_linears(root: nn.Module, mode: str, group_size: int, skip=()) -> int:
+def _replace_linears(root: nn.Module, mode: str, group_size: int) -> int:
     n = 0
     for name, child in list(root.named_children()):
-        if name in skip:
-            continue
         if isinstance(child, nn.Linear):
             setattr(root, name, QuantizedLinear(child, mode, group_size))
             n += 1
