@@ -60,6 +60,9 @@ class AudioChunk:
     final: bool = False
     input_tokens: int = 0  # final chunk only: prompt tokens billed to the request
     output_frames: int = 0  # final chunk only: codec frames generated in total
+    # final chunk only: "stop" (the model ended the utterance) or "length" (it reached the
+    # stream's frame cap: max_new_tokens, or the default cap that follows the text)
+    finish_reason: str = "stop"
 
 
 class BackendError(Exception):
