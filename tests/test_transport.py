@@ -95,12 +95,26 @@ def _attach_then_hang(handle) -> None:
 
 
 def _owner(conn, mode: str) -> None:
-    """Own a registry with two rings, report (prefix, paths), then exit per ``mode``."""
+    """Own a registry with two rings, report (prefix, paths), then exit per ``mode``.
+
+    The SIGINT disposition is set explicitly before the registry exists: a spawned child
+    inherits its parent's, and a test run started in the background has SIGINT ignored.
+    "sigint" models an interactive process (Python's KeyboardInterrupt handler), "sigint_ignored"
+    one told to ignore SIGINT; it answers each message on ``conn`` with whether its segments
+    exist, so the parent knows a signal sent before the message has been dealt with."""
+    if mode == "sigint":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    elif mode == "sigint_ignored":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     reg = SegmentRegistry()
     rings = [Ring.create("a", 1 << 16, registry=reg), Ring.create("b", 1 << 16, registry=reg)]
-    conn.send((reg.prefix, [r.path for r in rings]))
+    paths = [r.path for r in rings]
+    conn.send((reg.prefix, paths))
     if mode == "exit":
         return  # no explicit cleanup: atexit must do it
+    if mode == "sigint_ignored":
+        while conn.recv():
+            conn.send([os.path.exists(p) for p in paths])
     time.sleep(120)  # wait for SIGTERM / SIGKILL
 
 
@@ -354,6 +368,27 @@ def test_owner_process_exit_unlinks_segments(mode):
         proc.join(30)
         # SIGINT chains to Python's handler: KeyboardInterrupt, the child exits with 1
         assert proc.exitcode == {"exit": 0, "sigterm": -signal.SIGTERM, "sigint": 1}[mode]
+        assert _ours(prefix) == []
+    finally:
+        proc.kill()
+
+
+def test_ignored_sigint_leaves_the_owner_and_its_segments_alone():
+    """A process started with SIGINT ignored (a background job) lives on after SIGINT, so its
+    segments must too; SIGTERM still unlinks them and kills it."""
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_owner, args=(child, "sigint_ignored"))
+    proc.start()
+    try:
+        prefix, paths = parent.recv()
+        os.kill(proc.pid, signal.SIGINT)
+        parent.send("still there?")  # answered after any handler for the SIGINT has run
+        assert parent.poll(30), "the owner did not answer after SIGINT"
+        assert parent.recv() == [True, True]
+        assert proc.is_alive() and _ours(prefix) == sorted(os.path.basename(p) for p in paths)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGTERM
         assert _ours(prefix) == []
     finally:
         proc.kill()

@@ -9,9 +9,12 @@ the owner.
 
 :class:`SegmentRegistry` is the owner's list of what it created; it unlinks everything on
 ``cleanup()``, on context-manager exit, at interpreter exit (atexit) and on SIGTERM/SIGINT (the
-handlers chain to whatever was installed before). Handlers installed *later* (asyncio's
-``loop.add_signal_handler``) replace ours: the server's own shutdown path then reaches
-``cleanup()`` or atexit. SIGKILL is covered by :func:`cleanup_stale` at the next start.
+handlers chain to whatever was installed before). A signal this process was told to ignore
+(SIG_IGN at install time, e.g. SIGINT in a job started in the background by a non-interactive
+shell) is left ignored: it does not stop the process, so it must not take its segments away
+either. Handlers installed *later* (asyncio's ``loop.add_signal_handler``) replace ours: the
+server's own shutdown path then reaches ``cleanup()`` or atexit. SIGKILL is covered by
+:func:`cleanup_stale` at the next start.
 
 Peers (stage processes) never create segments; they open them by path with
 :func:`open_segment`, which refuses files not owned by this uid or readable by others.
@@ -319,27 +322,35 @@ def _unregister_live(reg: SegmentRegistry) -> None:
 
 
 def _on_signal(signum: int, frame: object) -> None:
+    """Unlink, then do what the signal would have done without us. Only installed over a
+    handler or SIG_DFL: unlinking on a signal the process then survives would leave it running
+    with its segments gone (peers could not attach, a restarted stage could not map its ring)."""
     cleanup_all()
     prev = _PREV_HANDLERS.get(signum)
     if callable(prev):
         prev(signum, frame)
-    elif prev == signal.SIG_IGN:
-        return
     else:  # SIG_DFL or installed from C: die of the signal as we would have
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
 
 def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
-    """Unlink segments on SIGTERM/SIGINT, then chain to the previous handler. Main thread only;
-    returns False (and relies on atexit) elsewhere."""
+    """Unlink segments on SIGTERM/SIGINT, then chain to the previous handler. A signal whose
+    disposition is SIG_IGN now is left alone (the process survives it, so its segments must too;
+    atexit and the other signal still clean up). Main thread only; returns False (and relies on
+    atexit) elsewhere."""
     if _HOOKS["signals"]:
         return True
     if threading.current_thread() is not threading.main_thread():
         log.debug("not in the main thread: segment cleanup relies on atexit, not signal handlers")
         return False
     for sig in signals:
-        _PREV_HANDLERS[sig] = signal.getsignal(sig)
+        prev = signal.getsignal(sig)
+        if prev == signal.SIG_IGN:
+            log.debug("%s is ignored in this process: left ignored, segments survive it",
+                      signal.Signals(sig).name)
+            continue
+        _PREV_HANDLERS[sig] = prev
         signal.signal(sig, _on_signal)
     _HOOKS["signals"] = True
     return True
