@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
+import pytest
 
+from omni_stream.server.audio import to_s16le
 from omni_stream.server.backend import BackendError
-from omni_stream.server.fake_backend import FakeBackend, expected_frames
+from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import post_speech as post
 from omni_stream.server.testing import run_async as arun
@@ -150,23 +153,62 @@ def test_no_api_key_means_open():
     assert doc["data"][0]["id"] == "omni-stream-fake" and doc["data"][0]["object"] == "model"
 
 
-# --- overload -----------------------------------------------------------------------------------
-def test_full_backend_gives_429_with_retry_after_and_running_stream_is_unharmed():
-    async def main():
-        backend = FakeBackend(max_streams=1, queue_timeout=0.05, retry_after=2.5,
-                              frame_delay=0.01)
-        async with running_server(backend) as url, aiohttp.ClientSession() as s:
-            first = asyncio.create_task(post(s, url, {"input": TEXT * 2, "response_format": "pcm"}))
-            while backend.active == 0:
-                await asyncio.sleep(0.005)
-            second = await post(s, url, {"input": "hi"})
-            return await first, second
+# --- overload ---------------------------------------------------------------------------------
+# FakeBackend admits with the real AdmissionController: these are the statuses production sends
+async def _overload(backend: FakeBackend) -> tuple[tuple, tuple, float]:
+    """One long stream, then a second request while it runs: (first, second, second's wait)."""
+    async with running_server(backend) as url, aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, {"input": TEXT * 4, "response_format": "pcm",
+                                                  "seed": 5}))
+        while backend.active == 0:
+            await asyncio.sleep(0.005)
+        t = time.perf_counter()
+        second = await post(s, url, {"input": "hi", "response_format": "pcm"})
+        waited = time.perf_counter() - t
+        return await first, second, waited
 
-    first, (status, headers, body) = arun(main())
-    assert status == 429 and headers["Retry-After"] == "3"
+
+def _retry_after(headers: dict) -> int:
+    value = int(headers["Retry-After"])  # an integer number of seconds, as HTTP wants
+    assert value >= 1
+    return value
+
+
+def test_queue_full_gives_429_at_once_with_retry_after_and_running_stream_is_unharmed():
+    backend = FakeBackend(max_streams=1, max_queue=0, queue_timeout=5.0, frame_delay=0.01)
+    first, (status, headers, body), waited = arun(_overload(backend))
+    assert status == 429 and waited < 2.0, (status, waited)  # refused at once, not after 5 s
+    _retry_after(headers)
     err = error_of(body)
     assert err["type"] == "rate_limit_error" and err["code"] == "server_busy"
-    assert first[0] == 200 and len(first[2]) == expected_frames(TEXT * 2) * BYTES_PER_FRAME
+    assert first[0] == 200 and first[2] == to_s16le(
+        fake_audio(5, 0, expected_frames(TEXT * 4) * 1920))
+    stats = backend.stats()
+    assert stats["admission_rejected_queue_full"] == 1 and stats["admission_admitted_total"] == 1
+    assert stats["slots_free"] == 1 and stats["active_streams"] == 0
+
+
+def test_queued_past_the_deadline_gives_503_with_retry_after_and_running_stream_is_unharmed():
+    # the first stream takes 45 frames x 20 ms = 0.9 s; the second may wait 0.1 s of it
+    backend = FakeBackend(max_streams=1, max_queue=1, queue_timeout=0.1, frame_delay=0.02)
+    first, (status, headers, body), waited = arun(_overload(backend))
+    assert status == 503 and waited >= 0.1, (status, waited)  # it waited out its deadline
+    _retry_after(headers)
+    err = error_of(body)
+    assert err["type"] == "server_error" and err["code"] == "queue_timeout"
+    assert "retry later" in err["message"]
+    assert first[0] == 200 and first[2] == to_s16le(
+        fake_audio(5, 0, expected_frames(TEXT * 4) * 1920))
+    stats = backend.stats()
+    assert stats["admission_rejected_deadline"] == 1 and stats["queue_depth"] == 0
+    assert stats["slots_free"] == 1 and stats["active_streams"] == 0
+
+
+def test_queued_request_is_admitted_when_the_slot_frees_in_time():
+    backend = FakeBackend(max_streams=1, max_queue=1, queue_timeout=10.0, frame_delay=0.005)
+    first, (status, _, body), _ = arun(_overload(backend))
+    assert first[0] == 200 and status == 200 and len(body) == expected_frames("hi") * BYTES_PER_FRAME
+    assert backend.stats()["admission_admitted_total"] == 2
 
 
 def test_backend_unavailable_gives_503_with_retry_after():

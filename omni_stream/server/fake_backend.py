@@ -2,23 +2,32 @@
 
 Audio is a seeded linear chirp computed from the absolute sample index, so any chunking of a
 stream concatenates to exactly the one-pass waveform. It honours the same contract as the real
-backend: slots with a bounded wait, BackendError 429 when full, per-frame pacing, a
-1-frame-first chunk ramp, and prompt release of its slot when the consumer closes the stream.
+backend, and admits streams with the real backend's own :class:`AdmissionController` (mapped
+onto BackendError exactly as ``PipelineBackend.stream`` does) so that server tests see the
+statuses production sends: queue full -> 429 ``server_busy`` at once, queued past the deadline
+-> 503 ``queue_timeout``, both with the controller's Retry-After. Only the KV budget is left out
+(effectively unlimited, one byte per stream): there is no model whose cache could run out.
+Besides: per-frame pacing, a 1-frame-first chunk ramp, and prompt release of its slot when the
+consumer closes the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import sys
 import zlib
 from typing import Any, AsyncGenerator
 
 import numpy as np
 
+from omni_stream.scheduling import AdmissionController, Rejected
 from omni_stream.server.backend import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
 
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
 CHARS_PER_FRAME = 4  # fake "speaking rate": one 80 ms frame per 4 characters of text
+UNLIMITED_KV_BYTES = 1 << 62  # the fake has no KV cache: admission is by slots and queue only
 
 DEFAULT_VOICES = ("vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna",
                   "sohee")
@@ -60,18 +69,23 @@ def fake_codes(seed: int, start: int, n: int) -> np.ndarray:
 
 class FakeBackend:
     """Deterministic Backend. ``max_streams`` slots (None: unlimited); a stream that finds them
-    full waits up to ``queue_timeout`` seconds, then gets 429 with ``retry_after``.
-    ``frame_delay`` seconds are slept per frame; ``fail_after_frames`` raises a 500 mid-stream;
-    ``reject`` (a BackendError) refuses every stream at admission."""
+    full waits in a queue of ``max_queue`` for up to ``queue_timeout`` seconds (defaults as
+    ``PipelineSettings``). ``frame_delay`` seconds are slept per frame; ``fail_after_frames``
+    raises a 500 mid-stream; ``reject`` (a BackendError) refuses every stream at admission."""
 
     def __init__(self, *, model_name: str = "omni-stream-fake", sample_rate: int = 24000,
                  voices: tuple[str, ...] = DEFAULT_VOICES,
                  languages: tuple[str, ...] = DEFAULT_LANGUAGES,
                  supports_instructions: bool = True, supports_codec_frames: bool = True,
-                 frame_delay: float = 0.0, max_streams: int | None = None,
-                 queue_timeout: float = 0.0, retry_after: float = 1.0,
-                 steady_chunk_frames: int = 8, fail_after_frames: int | None = None,
-                 reject: BackendError | None = None, max_frames_cap: int = 4096) -> None:
+                 frame_delay: float = 0.0, max_streams: int | None = None, max_queue: int = 16,
+                 queue_timeout: float = 10.0, steady_chunk_frames: int = 8,
+                 fail_after_frames: int | None = None, reject: BackendError | None = None,
+                 max_frames_cap: int = 4096) -> None:
+        if max_streams is not None and max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1 or None (unlimited), got {max_streams}")
+        if max_queue < 0 or queue_timeout <= 0:
+            raise ValueError(f"need max_queue >= 0 and queue_timeout > 0 (as PipelineSettings), "
+                             f"got {max_queue} and {queue_timeout}")
         self.model_name = model_name
         self.sample_rate = sample_rate
         self.supports_instructions = supports_instructions
@@ -80,20 +94,20 @@ class FakeBackend:
         self._languages = list(languages)
         self.frame_delay = frame_delay
         self.max_streams = max_streams
+        self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.retry_after = retry_after
         self.steady_chunk_frames = steady_chunk_frames
         self.fail_after_frames = fail_after_frames
         self.reject = reject
         self.max_frames_cap = max_frames_cap
-        self.active = 0
-        self.waiting = 0
+        self.active = 0  # admitted streams not yet finished
         self.started_total = 0
         self.completed_total = 0
         self.cancelled_total = 0
         self.jobs: list[SpeechJob] = []  # every admitted job, for tests
         self.running = False
-        self._slot_freed: asyncio.Condition | None = None
+        self.adm: AdmissionController | None = None  # made in start(), on the serving loop
+        self._ids = itertools.count(1)
 
     # --- Backend interface -------------------------------------------------------------------
     def voices(self) -> list[str]:
@@ -123,24 +137,38 @@ class FakeBackend:
                                param="max_new_tokens")
 
     def stats(self) -> dict[str, Any]:
+        """The real backend's gauges: slots_free counts admission slots, queue_depth the queue."""
+        snap = self.adm.snapshot() if self.adm is not None else {}
         slots = self.max_streams or 0
-        return {"active_streams": self.active, "queue_depth": self.waiting, "slots_total": slots,
-                "slots_free": max(0, slots - self.active) if slots else 0,
-                "streams_cancelled_total": self.cancelled_total}
+        out = {"active_streams": self.active, "queue_depth": snap.get("queued", 0),
+               "slots_total": slots,
+               "slots_free": slots - snap.get("admitted", 0) if slots else 0,
+               "streams_cancelled_total": self.cancelled_total}
+        out.update({f"admission_{k}": v for k, v in snap.items()})
+        return out
 
     async def start(self) -> None:
-        self._slot_freed = asyncio.Condition()
+        # None means unlimited: the controller still runs (same code path), with a cap that is
+        # never reached
+        self.adm = AdmissionController(UNLIMITED_KV_BYTES, self.max_streams or sys.maxsize,
+                                       self.max_queue)
         self.running = True
 
     async def close(self) -> None:
         self.running = False
 
     async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
+        self.validate(job)
         if self.reject is not None:
             raise self.reject
-        if not self.running:
+        if not self.running or self.adm is None:
             raise BackendError(503, "unavailable", "backend is not running", retry_after=1.0)
-        await self._admit()
+        sid = next(self._ids)
+        try:  # as PipelineBackend.stream: 429 queue full, 503 deadline, Retry-After from adm
+            await self.adm.acquire(sid, 1, self.queue_timeout)
+        except Rejected as r:
+            raise r.to_backend_error() from None
+        self.active += 1
         self.jobs.append(job)
         self.started_total += 1
         finished = False
@@ -169,27 +197,4 @@ class FakeBackend:
                 self.completed_total += 1
             else:
                 self.cancelled_total += 1
-            assert self._slot_freed is not None
-            async with self._slot_freed:
-                self._slot_freed.notify()
-
-    # --- admission ---------------------------------------------------------------------------
-    async def _admit(self) -> None:
-        """Take a slot, waiting at most ``queue_timeout``; 429 with Retry-After past it."""
-        assert self._slot_freed is not None, "start() was not called"
-        if self.max_streams is None or self.active < self.max_streams:
-            self.active += 1
-            return
-        self.waiting += 1
-        try:
-            async with self._slot_freed:
-                await asyncio.wait_for(
-                    self._slot_freed.wait_for(lambda: self.active < self.max_streams),
-                    self.queue_timeout)
-                self.active += 1
-        except asyncio.TimeoutError:
-            raise BackendError(429, "server_busy",
-                               f"all {self.max_streams} streams are busy; retry later",
-                               retry_after=self.retry_after) from None
-        finally:
-            self.waiting -= 1
+            self.adm.release(sid)
