@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 
+import numpy as np
 import pytest
 import soundfile as sf
 
 from clients.playback import simulate_playback
 from clients.stream_client import main as client_main
-from omni_stream.server.fake_backend import FakeBackend
+from omni_stream.server.audio import to_s16le
+from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
 
 
 def test_playback_on_time_has_no_underrun():
@@ -29,11 +33,9 @@ def test_playback_late_chunk_counts_once_and_stalls():
         simulate_playback([0.0], [])
 
 
-@pytest.fixture()
-def fake_server():
-    """A FakeBackend server on a background loop thread for CLI tests."""
-    import asyncio
-
+@contextlib.contextmanager
+def serving_in_thread(backend: FakeBackend):
+    """Serve ``backend`` on a background loop thread (the CLI runs its own event loop)."""
     from omni_stream.server.app import start_server
 
     loop = asyncio.new_event_loop()
@@ -44,7 +46,7 @@ def fake_server():
         asyncio.set_event_loop(loop)
 
         async def up():
-            box["runner"], box["url"] = await start_server(FakeBackend(frame_delay=0.005), "127.0.0.1", 0)
+            box["runner"], box["url"] = await start_server(backend, "127.0.0.1", 0)
             ready.set()
 
         loop.run_until_complete(up())
@@ -53,22 +55,51 @@ def fake_server():
     t = threading.Thread(target=run, daemon=True)
     t.start()
     assert ready.wait(30)
-    yield box["url"]
-    asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(10)
+    try:
+        yield box["url"]
+    finally:
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+
+
+@pytest.fixture()
+def fake_server():
+    """A FakeBackend 16x faster than real time (5 ms per 80 ms frame)."""
+    with serving_in_thread(FakeBackend(frame_delay=0.005)) as url:
+        yield url
+
+
+def _client_figures(url: str, out, capsys) -> dict:
+    rc = client_main(["--url", url, "--text", "Hello there, general.", "--seed", "3",
+                      "--out", str(out), "--json"])
+    assert rc == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_client_writes_wav_and_reports(fake_server, tmp_path, capsys):
     out = tmp_path / "a.wav"
-    rc = client_main(["--url", fake_server, "--text", "Hello there, general.", "--seed", "3",
-                      "--out", str(out), "--json"])
-    assert rc == 0
-    fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fig = _client_figures(fake_server, out, capsys)
     data, sr = sf.read(out, dtype="int16")
-    assert sr == 24000 and len(data) % 1920 == 0 and len(data) > 0
+    # "Hello there, general." is 6 frames, sent as chunks of 1, 2, 3
+    assert sr == 24000 and len(data) == expected_frames("Hello there, general.") * 1920
+    np.testing.assert_array_equal(data, np.frombuffer(to_s16le(fake_audio(3, 0, len(data))), "<i2"))
     assert fig["audio_s"] == pytest.approx(len(data) / 24000, abs=1e-3)
-    assert fig["ttfa_ms"] > 0 and fig["rtf"] > 0 and fig["underruns"] >= 0 and fig["chunks"] >= 1
+    assert fig["ttfa_ms"] > 0 and fig["chunks"] >= 1
+    assert fig["rtf"] < 1.0  # faster than real time...
+    # ...with >= 70 ms to spare on every chunk (a chunk takes 5 ms per frame to make while the
+    # one before it, no smaller, plays 80 ms per frame): a player never starves
+    assert fig["underruns"] == 0 and fig["underrun_s"] == 0.0
+
+
+def test_client_counts_underruns_when_the_server_is_slower_than_real_time(tmp_path, capsys):
+    # 150 ms per 80 ms frame: a chunk takes 150 ms per frame to make while the one before it,
+    # no larger, plays 80 ms per frame, so every chunk after the first arrives late
+    with serving_in_thread(FakeBackend(frame_delay=0.15)) as url:
+        fig = _client_figures(url, tmp_path / "slow.wav", capsys)
+    assert fig["rtf"] > 1.0
+    assert fig["chunks"] >= 2 and fig["underruns"] == fig["chunks"] - 1
+    assert fig["underrun_s"] >= 0.2
 
 
 def test_client_errors_are_clear(fake_server, tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -144,7 +145,11 @@ def test_hardware_fingerprint_is_stable_and_tracks_relevant_changes():
     assert {"cpu_model", "cpu_count", "isa", "ram_gib", "torch", "gpus"} <= set(info)
     assert hardware_fingerprint() == hardware_fingerprint()
     fp = hardware_fingerprint(info)
-    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{16}", fp), fp  # 16 lowercase hex digits (a file-name key)
+    assert hardware_fingerprint(dict(info)) == fp  # a function of the fields only
+    assert hardware_fingerprint(dict(reversed(list(info.items())))) == fp  # not of their order
+    assert hardware_fingerprint({**info, "cpu_model": info["cpu_model"] + " v2"}) != fp
+    assert hardware_fingerprint({**info, "ram_gib": (info["ram_gib"] or 0) + 1}) != fp
     assert hardware_fingerprint(fingerprint_info({"isa": ["avx2"]})) != hardware_fingerprint(
         fingerprint_info({"isa": ["avx2", "avx512f"]}))
     assert hardware_fingerprint({**info, "gpus": ["NVIDIA H200"]}) != fp
