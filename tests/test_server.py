@@ -91,6 +91,7 @@ def test_non_streamed_wav_has_exact_sizes():
         data_size, = struct.unpack("<I", body[40:44])
         assert data_size == frames * BYTES_PER_FRAME == len(body) - 44 and riff_size == 36 + data_size
         assert headers["X-Usage-Output-Tokens"] == str(frames)
+        assert headers["X-Finish-Reason"] == "stop"
 
     arun(main())
 
@@ -133,9 +134,35 @@ def test_sse_deltas_and_done_with_usage():
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     frames = expected_frames(TEXT)
     assert pcm == to_s16le(fake_audio(3, 0, frames * 1920))
-    assert done["type"] == "speech.audio.done"
-    assert done["usage"] == {"input_tokens": len(TEXT), "output_tokens": frames,
-                             "total_tokens": len(TEXT) + frames}
+    assert done == {"type": "speech.audio.done", "finish_reason": "stop",
+                    "usage": {"input_tokens": len(TEXT), "output_tokens": frames,
+                              "total_tokens": len(TEXT) + frames}}
+
+
+@pytest.mark.parametrize("cap, reason", [(expected_frames(TEXT), "stop"),
+                                         (expected_frames(TEXT) - 1, "length"), (3, "length")])
+def test_sse_done_says_length_when_max_new_tokens_cut_the_speech_short(cap, reason):
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT, "stream_format": "sse", "seed": 3,
+                                       "max_new_tokens": cap})
+
+    status, _, body = arun(main())
+    done = sse_events(body)[-1]
+    assert status == 200 and done["type"] == "speech.audio.done"
+    assert done["finish_reason"] == reason and done["usage"]["output_tokens"] == cap
+
+
+@pytest.mark.parametrize("cap, reason", [(None, "stop"), (2, "length")])
+def test_whole_file_carries_finish_reason_header(cap, reason):
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT, "response_format": "wav", "stream": False,
+                                       **({"max_new_tokens": cap} if cap else {})})
+
+    status, headers, body = arun(main())
+    assert status == 200 and headers["X-Finish-Reason"] == reason
+    assert len(body) - 44 == (cap or expected_frames(TEXT)) * BYTES_PER_FRAME
 
 
 def test_sse_error_event_when_backend_fails_mid_stream():

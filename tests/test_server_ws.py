@@ -90,6 +90,7 @@ def test_session_with_two_utterances_split_at_sentences():
         assert audio == to_s16le(fake_audio(5, 0, frames * 1920))
         assert done["usage"]["output_tokens"] == frames
         assert done["usage"]["total_tokens"] == frames + done["usage"]["input_tokens"]
+        assert done["finish_reason"] == "stop"
     assert messages[-1] == {"type": "session.done"}
     assert closing.type == aiohttp.WSMsgType.CLOSE and code == 1000
     assert [j.voice for j in backend.jobs] == ["vivian", "vivian"]
@@ -121,6 +122,23 @@ def test_codec_frames_mode_sends_header_then_int64_frames():
     n = expected_frames("Codec frames please")
     assert offset == n and frames[0].shape == (1, 16)  # 1-frame first chunk
     np.testing.assert_array_equal(np.concatenate(frames), fake_codes(9, 0, n))
+
+
+def test_audio_done_says_length_when_max_new_tokens_cut_the_speech_short():
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "max_new_tokens": 2, "seed": 2})
+            await ws.receive_json()
+            # 7 frames of speech capped at 2, then a sentence of 1 frame that fits
+            await ws.send_json({"type": "input.text", "text": "A longer first sentence. Hi. "})
+            first = await read_until(ws, "audio.done")
+            return utterances(first + await read_until(ws, "audio.done"))
+
+    utts = arun(main())
+    assert [(u[0]["text"], u[2]["finish_reason"]) for u in utts] == [
+        ("A longer first sentence.", "length"), ("Hi.", "stop")]
+    assert [u[2]["usage"]["output_tokens"] for u in utts] == [2, 1]
+    assert utts[0][1] == to_s16le(fake_audio(2, 0, 2 * 1920))
 
 
 def test_codec_frames_refused_when_backend_cannot():

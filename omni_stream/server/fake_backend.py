@@ -190,7 +190,10 @@ class FakeBackend:
                                      frames=size)
                 done += size
             finished = True
-            yield AudioChunk(final=True, input_tokens=len(job.text.encode()), output_frames=done)
+            # "length" when max_new_tokens cut the text's frames short, as the real cap does
+            capped = expected_frames(job.text, job.max_frames) < expected_frames(job.text)
+            yield AudioChunk(final=True, input_tokens=len(job.text.encode()), output_frames=done,
+                             finish_reason="length" if capped else "stop")
         finally:
             self.active -= 1
             if finished:

@@ -88,7 +88,9 @@ async def write_audio(request: web.Request, resp: web.StreamResponse, run: Strea
 
 async def whole_file(run: StreamRun, first: AudioChunk, plan: SpeechPlan, sample_rate: int,
                      headers) -> web.Response:
-    """Collect the stream, encode it once (libsndfile formats off the event loop)."""
+    """Collect the stream, encode it once (libsndfile formats off the event loop). Usage and
+    finish_reason ("stop" / "length") have no body to travel in: they are headers
+    (X-Usage-Input-Tokens, X-Usage-Output-Tokens, X-Finish-Reason)."""
     parts: list[np.ndarray] = []
     chunk: AudioChunk | None = first
     while chunk is not None:
@@ -104,7 +106,9 @@ async def whole_file(run: StreamRun, first: AudioChunk, plan: SpeechPlan, sample
         data = await asyncio.get_running_loop().run_in_executor(
             None, encode_whole, pcm, sample_rate, plan.fmt.name)
     stepstats.record("server.encode_write", time.perf_counter() - t)
-    usage = run.usage()
+    usage, reason = run.usage(), run.finish_reason()
+    assert reason is not None  # the loop above ends only after the final chunk
     return web.Response(body=data, content_type=plan.fmt.content_type,
                         headers={**headers, "X-Usage-Input-Tokens": str(usage["input_tokens"]),
-                                 "X-Usage-Output-Tokens": str(usage["output_tokens"])})
+                                 "X-Usage-Output-Tokens": str(usage["output_tokens"]),
+                                 "X-Finish-Reason": reason})

@@ -2,7 +2,9 @@
 
 Each event is one ``data: <json>\\n\\n`` record, as OpenAI sends them:
 ``{"type": "speech.audio.delta", "audio": <base64 pcm s16le>}`` per chunk, then
-``{"type": "speech.audio.done", "usage": {...}}``; a failure after the first event becomes
+``{"type": "speech.audio.done", "usage": {...}, "finish_reason": "stop" | "length"}``
+("length": the stream reached its frame cap, max_new_tokens or the default that follows the
+text, so the audio may end mid-word); a failure after the first event becomes
 ``{"type": "error", "error": {message, type, param, code}}`` and ends the stream.
 """
 
@@ -29,8 +31,8 @@ def delta_event(pcm_s16le: bytes) -> dict[str, Any]:
     return {"type": "speech.audio.delta", "audio": base64.b64encode(pcm_s16le).decode()}
 
 
-def done_event(usage: dict[str, int]) -> dict[str, Any]:
-    return {"type": "speech.audio.done", "usage": usage}
+def done_event(usage: dict[str, int], finish_reason: str | None) -> dict[str, Any]:
+    return {"type": "speech.audio.done", "usage": usage, "finish_reason": finish_reason}
 
 
 def error_event(err: ApiError) -> dict[str, Any]:
@@ -56,7 +58,7 @@ async def write_sse(request: web.Request, resp: web.StreamResponse, run: StreamR
             stepstats.record("server.encode_write", time.perf_counter() - t)
             run.sent(chunk)
             chunk = await run.next()
-        await resp.write(sse_record(done_event(run.usage())))
+        await resp.write(sse_record(done_event(run.usage(), run.finish_reason())))
     except ApiError as e:
         log.warning("%s: failed mid-stream: %s", run.job.request_id, e.message)
         await resp.write(sse_record(error_event(e)))

@@ -86,6 +86,11 @@ class StreamRun:
             self._first_sent = True
             self.metrics.ttfa.labels(self.endpoint).observe(time.perf_counter() - self.t0)
 
+    def finish_reason(self) -> str | None:
+        """Why the stream ended: "stop" (the model finished the utterance) or "length" (it hit
+        the frame cap, so the audio may stop mid-word); None before the final chunk."""
+        return self.final.finish_reason if self.final is not None else None
+
     def usage(self) -> dict[str, int]:
         """OpenAI usage: input tokens, output tokens (= codec frames)."""
         inp = self.final.input_tokens if self.final else 0

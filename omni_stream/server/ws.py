@@ -18,7 +18,9 @@ Server -> client:
   model_size, variant, decode_dtype}: what a client-side decoder must match (``omni-stream
   export-decoder``); ``decode_dtype`` is what the server itself decodes in.
   Per utterance ``audio.start`` {request_id, text, format, sample_rate, ...}, then the audio,
-  then ``audio.done`` {request_id, usage}; ``session.done`` then close 1000.
+  then ``audio.done`` {request_id, usage, finish_reason}; ``session.done`` then close 1000.
+  ``finish_reason`` is "stop" (the model ended the utterance) or "length" (it reached the frame
+  cap, max_new_tokens or the default that follows the text: the audio may end mid-word).
   Audio is binary frames of pcm s16le mono at ``sample_rate``; with stream_format "sse",
   ``speech.audio.delta`` JSON events (base64 pcm) instead. With codec_frames, each binary frame
   of ``n`` codec frames is preceded by a JSON ``codec.frames`` {request_id, offset, frames,
@@ -252,7 +254,7 @@ class WsSession:
                 run.sent(chunk)
                 chunk = await run.next()
             await self.send_json({"type": "audio.done", "request_id": job.request_id,
-                                  "usage": run.usage()})
+                                  "usage": run.usage(), "finish_reason": run.finish_reason()})
 
 
 async def speech_stream(request: web.Request) -> web.WebSocketResponse:
