@@ -100,6 +100,88 @@ def test_bad_requests_get_openai_errors():
     assert len(backend.jobs) == 1  # no bad request reached the backend
 
 
+# --- strict input: JSON only, no control characters ------------------------------------------
+NOT_JSON = [None, "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x", "application/jsonx",
+            "application/json; charset=latin-1"]
+JSON_TYPES = ["application/json", "application/json; charset=utf-8",
+              'Application/JSON; Charset="UTF-8"', "application/vnd.omni+json"]
+
+
+def test_a_body_not_declared_json_gets_415_before_it_is_read():
+    async def main():
+        backend = FakeBackend()
+        body = {"input": "hi", "response_format": "pcm"}
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            refused = [await post(s, url, body, content_type=ct) for ct in NOT_JSON]
+            accepted = [await post(s, url, body, content_type=ct) for ct in JSON_TYPES]
+        return refused, accepted, backend
+
+    refused, accepted, backend = arun(main())
+    for ct, (status, headers, raw) in zip(NOT_JSON, refused):
+        err = error_of(raw)
+        assert (status, err["code"], err["param"]) == (415, "unsupported_media_type", None), ct
+        assert err["type"] == "invalid_request_error"
+        assert "Content-Type: application/json" in err["message"], err["message"]
+    assert "no Content-Type header" in error_of(refused[0][2])["message"]
+    assert "'text/plain' is not JSON" in error_of(refused[1][2])["message"]
+    assert "charset 'latin-1' is not UTF-8" in error_of(refused[-1][2])["message"]
+    assert [a[0] for a in accepted] == [200] * len(JSON_TYPES)
+    assert len(backend.jobs) == len(JSON_TYPES)  # nothing refused reached the backend
+
+
+BAD_CHARACTERS = [  # (character, as the message names it)
+    ("\x00", "U+0000"), ("\x08", "U+0008"), ("\x0b", "U+000B"), ("\x1b", "U+001B"),
+    ("\x1f", "U+001F"), ("\x7f", "U+007F"), ("\x80", "U+0080"), ("\x85", "U+0085"),
+    ("\x9f", "U+009F"), ("\ud800", "U+D800"), ("\udfff", "U+DFFF"),
+]
+
+
+@pytest.mark.parametrize("field", ["input", "instructions"])
+def test_control_characters_and_lone_surrogates_get_400_naming_them(field):
+    async def main():
+        backend = FakeBackend()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            out = []
+            for ch, _ in BAD_CHARACTERS:
+                body = {"input": "hi", "response_format": "pcm", field: f"ab{ch}cd"}
+                # json.dumps writes "\ud800" for a lone surrogate, as a JSON client would
+                out.append(await post(s, url, body))
+        return out, backend
+
+    out, backend = arun(main())
+    for (ch, name), (status, _, raw) in zip(BAD_CHARACTERS, out):
+        err = error_of(raw)
+        assert (status, err["code"], err["param"]) == (400, "invalid_characters", field), name
+        assert f"'{field}' contains" in err["message"] and f"{name} at position 2" in err["message"]
+    assert "tab, newline and carriage return" in error_of(out[0][2])["message"]
+    assert "lone surrogate" in error_of(out[-1][2])["message"]
+    assert backend.jobs == []
+
+
+def test_newline_tab_cr_and_surrogate_pairs_are_accepted_unchanged():
+    text = "line1\nline2\ttab\r\n"
+
+    async def main():
+        backend = FakeBackend()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            plain = await post(s, url, {"input": text, "response_format": "pcm"})
+            # an escaped pair is one character beyond U+FFFF, not two lone surrogates
+            emoji = await post(s, url, '{"input": "smile \\ud83d\\ude00", '
+                                       '"response_format": "pcm"}')
+            voice = await post(s, url, '{"input": "hi", "voice": "\\udc00"}')
+            truncated = await post(s, url, '{"input": "ab\\ud800')
+        return plain, emoji, voice, truncated, backend
+
+    plain, emoji, voice, truncated, backend = arun(main())
+    assert plain[0] == 200 and emoji[0] == 200
+    assert [j.text for j in backend.jobs] == [text, "smile \U0001f600"]
+    err = error_of(voice[2])  # a lone surrogate in any field is named as such
+    assert (voice[0], err["code"], err["param"]) == (400, "invalid_characters", "voice")
+    assert "U+DC00 at position 0" in err["message"]
+    assert error_of(truncated[2])["code"] == "invalid_json"  # broken JSON stays broken JSON
+
+
 def test_instructions_refused_when_the_model_cannot_take_them():
     async def main():
         async with running_server(FakeBackend(supports_instructions=False)) as url, \

@@ -214,6 +214,37 @@ def test_bad_events_get_error_events_and_the_session_survives():
     assert late.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
 
 
+def test_control_characters_are_refused_piece_by_piece_and_the_session_survives():
+    async def main():
+        backend = FakeBackend()
+        async with ws_session(backend) as ws:
+            errors = []
+            await ws.send_json({"type": "input.text", "text": "Hello \x00there. "})
+            errors.append(await ws.receive_json())
+            # a lone surrogate escape, as a JSON encoder writes one
+            await ws.send_str('{"type": "input.text", "text": "bad \\udc00"}')
+            errors.append(await ws.receive_json())
+            await ws.send_json({"type": "session.config", "instructions": "calm\x1b[0m"})
+            errors.append(await ws.receive_json())
+            await ws.send_json({"type": "session.config", "instructions": "calm,\nand slow"})
+            updated = await ws.receive_json()
+            await ws.send_json({"type": "input.text", "text": "Fine\ttext\r\n"})
+            await ws.send_json({"type": "input.done"})
+            return errors, updated, await read_until(ws, "audio.done"), backend
+
+    errors, updated, messages, backend = arun(main())
+    assert [(e["type"], e["error"]["code"], e["error"]["param"]) for e in errors] == [
+        ("error", "invalid_characters", "text"), ("error", "invalid_characters", "text"),
+        ("error", "invalid_characters", "instructions")]
+    assert "U+0000 at position 6" in errors[0]["error"]["message"]
+    assert "lone surrogate U+DC00 at position 4" in errors[1]["error"]["message"]
+    assert "U+001B at position 4" in errors[2]["error"]["message"]
+    assert updated["type"] == "session.updated"
+    # the refused pieces never reached the buffer: one utterance, of the good piece only
+    assert [u[0]["text"] for u in utterances(messages)] == ["Fine\ttext"]
+    assert [(j.text, j.instructions) for j in backend.jobs] == [("Fine\ttext", "calm,\nand slow")]
+
+
 def test_disconnect_mid_utterance_frees_the_backend_stream():
     async def main():
         backend = FakeBackend(frame_delay=0.02)

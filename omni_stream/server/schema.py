@@ -1,8 +1,10 @@
 """Wire schema (msgspec structs) and its resolution into a :class:`SpeechJob`.
 
-Types are checked by msgspec on decode (the error names the field); values, the model name,
-voice aliases, formats and the text cap are checked here; voice/language against the model
-are checked by ``backend.validate``. HTTP and WebSocket share :class:`SynthesisOptions`.
+The HTTP body must be declared JSON (:func:`check_content_type`: 415 otherwise). Types are
+checked by msgspec on decode (the error names the field); values, the model name, voice
+aliases, formats, the text cap and the characters of the text (:func:`check_characters`) are
+checked here; voice/language against the model are checked by ``backend.validate``. HTTP and
+WebSocket share :class:`SynthesisOptions` and these checks.
 
 Voice aliases: the OpenAI voice names, in the order of :data:`OPENAI_VOICES`, map onto
 ``backend.voices()`` in its order, wrapping around: with the 9 Qwen3-TTS CustomVoice speakers
@@ -12,9 +14,11 @@ cedar -> voices[3]. A backend voice name (any case) is always accepted as itself
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from dataclasses import dataclass, replace
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -105,15 +109,105 @@ def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str]) 
                    f"({', '.join(OPENAI_VOICES)})", code="invalid_voice", param="voice")
 
 
+# C0 controls except tab, newline and carriage return; DEL; C1 controls; lone surrogates
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def check_characters(text: str, param: str | None) -> None:
+    """Refuse text a tokenizer would turn into garbage or choke on: control characters (C0 but
+    tab, newline and carriage return; DEL; C1) and lone surrogates (a JSON "\\ud800" escape
+    without its pair, which no UTF-8 encoder accepts). The 400 names the character as U+XXXX
+    and its position (a 0-based character index), so the client can find it."""
+    m = _FORBIDDEN.search(text)
+    if m is None:
+        return
+    cp, where = ord(m.group()), f"'{param}'" if param else "the JSON body"
+    if 0xD800 <= cp <= 0xDFFF:
+        what, fix = "a lone surrogate", ("send text as UTF-8, or escape a character beyond "
+                                         "U+FFFF as a complete surrogate pair")
+    else:
+        what, fix = "the control character", ("remove it; tab, newline and carriage return "
+                                              "are the only control characters allowed")
+    raise ApiError(400, f"{where} contains {what} U+{cp:04X} at position {m.start()}: {fix}",
+                   code="invalid_characters", param=param)
+
+
 def check_text(text: str, settings: ServerSettings, param: str = "input") -> str:
-    if not text.strip():
-        raise ApiError(400, f"'{param}' is empty: send the text to speak", code="empty_input",
-                       param=param)
     if len(text) > settings.max_input_chars:
         raise ApiError(400, f"'{param}' has {len(text)} characters; the maximum is "
                        f"{settings.max_input_chars}: split the text into several requests",
                        code="input_too_long", param=param)
+    check_characters(text, param)  # before the blank check: "\x1c".."\x1f" count as blank
+    if not text.strip():
+        raise ApiError(400, f"'{param}' is empty: send the text to speak", code="empty_input",
+                       param=param)
     return text
+
+
+_JSON_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii"})
+
+
+def check_content_type(header: str | None) -> None:
+    """415 unless the body is declared JSON: ``application/json`` or a ``+json`` type, with at
+    most a UTF-8 charset. Checked before the body is read: a form-encoded body (what ``curl -d``
+    sends without ``-H``) would otherwise surface as a confusing "invalid JSON"."""
+    fix = "send Content-Type: application/json with a JSON body"
+    if not header or not header.strip():
+        raise ApiError(415, f"no Content-Type header: {fix} (curl -d sends form encoding "
+                       "unless given -H 'Content-Type: application/json')",
+                       code="unsupported_media_type")
+    mime, _, params = header.partition(";")
+    mime = mime.strip().lower()
+    kind, _, sub = mime.partition("/")
+    if kind != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise ApiError(415, f"Content-Type '{mime}' is not JSON: {fix}",
+                       code="unsupported_media_type")
+    for p in params.split(";"):
+        key, _, value = p.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in _JSON_CHARSETS:
+            raise ApiError(415, f"charset '{charset}' is not UTF-8, and JSON bodies are: "
+                           "send Content-Type: application/json (or charset=utf-8)",
+                           code="unsupported_media_type")
+
+
+def decode_json(data: bytes | str, schema: Any) -> Any:
+    """``msgspec.json.decode`` with failures as ApiError naming the field. msgspec refuses a lone
+    surrogate escape ("\\ud800") as "Input data was truncated"; such a body is valid JSON to the
+    stdlib parser, so on a decode error it is re-read with that to name the character and the
+    field as :func:`check_characters` does for any other control character."""
+    try:
+        return msgspec.json.decode(data, type=schema)
+    except msgspec.ValidationError as e:
+        raise ApiError.from_validation(e) from None
+    except msgspec.DecodeError as e:
+        _check_json_strings(data)
+        raise ApiError.from_validation(e) from None
+
+
+def _check_json_strings(data: bytes | str) -> None:
+    """check_characters on every string of ``data`` (param: the top-level field it is under);
+    nothing if the stdlib cannot parse it either (then msgspec's message stands)."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return
+
+    def walk(value: Any, param: str | None) -> None:
+        if isinstance(value, str):
+            check_characters(value, param)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v, param)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, param)
+
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            walk(value, key)
+    else:
+        walk(doc, None)
 
 
 def _positive(value: int | None, name: str, upper: int | None = None) -> None:
@@ -174,10 +268,7 @@ class SpeechPlan:
 
 
 def decode_speech_request(body: bytes) -> SpeechRequest:
-    try:
-        return msgspec.json.decode(body, type=SpeechRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ApiError.from_validation(e) from None
+    return decode_json(body, SpeechRequest)
 
 
 def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings) -> SpeechPlan:

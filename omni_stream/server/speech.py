@@ -22,7 +22,8 @@ from omni_stream.server.audio import encode_whole, to_s16le, wav_header
 from omni_stream.server.backend import AudioChunk
 from omni_stream.server.errors import ApiError
 from omni_stream.observability import stepstats
-from omni_stream.server.schema import SpeechPlan, decode_speech_request, plan_speech
+from omni_stream.server.schema import (SpeechPlan, check_content_type, decode_speech_request,
+                                       plan_speech)
 from omni_stream.server.sse import write_sse
 from omni_stream.server.state import STATE, ServerState
 from omni_stream.server.stream import StreamRun
@@ -40,6 +41,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st = request.app[STATE]
     check_ready(st)
+    check_content_type(request.headers.get("Content-Type"))  # 415 before reading the body
     body = await request.read()  # raises 413 past client_max_size
     plan = plan_speech(decode_speech_request(body), st.backend, st.settings)
     resp = web.StreamResponse(headers={"X-Request-Id": plan.job.request_id})

@@ -35,9 +35,17 @@ def run_async(coro: Awaitable[T], timeout: float = 60.0) -> T:
 
 
 async def post_speech(session: aiohttp.ClientSession, url: str, body: Any,
-                      headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+                      headers: dict[str, str] | None = None,
+                      content_type: str | None = "application/json",
+                      ) -> tuple[int, dict[str, str], bytes]:
     """POST ``body`` (a dict, or raw str/bytes sent as is) to /v1/audio/speech; returns
-    (status, headers, whole body)."""
+    (status, headers, whole body). ``content_type`` is sent unless ``headers`` name one; None
+    sends no Content-Type header at all (the server answers 415)."""
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    async with session.post(url + "/v1/audio/speech", data=data, headers=headers) as r:
+    headers = dict(headers or {})
+    if content_type is not None:
+        headers.setdefault("Content-Type", content_type)
+    skip = ("Content-Type",) if content_type is None else ()  # aiohttp would add its own
+    async with session.post(url + "/v1/audio/speech", data=data, headers=headers,
+                            skip_auto_headers=skip) as r:
         return r.status, dict(r.headers), await r.read()

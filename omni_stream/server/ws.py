@@ -27,8 +27,10 @@ Server -> client:
   shape: [n, 16], dtype: "int64"} message; the binary frame is those codes as little-endian
   int64, row-major [n, 16] (n * 128 bytes).
   Errors are ``error`` {error: {message, type, param, code}, request_id?} events; the session
-  stays open. Close codes: 1000 after session.close, 1001 server shutdown, 1009 message over the
-  size cap, 1011 internal error.
+  stays open. An ``input.text`` piece or ``instructions`` with a control character (other than
+  tab, newline, carriage return) or a lone surrogate is refused whole with code
+  ``invalid_characters``. Close codes: 1000 after session.close, 1001 server shutdown, 1009
+  message over the size cap, 1011 internal error.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from omni_stream.server.audio import to_s16le
 from omni_stream.server.backend import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob
 from omni_stream.server.errors import ApiError
 from omni_stream.server.schema import (ClientEvent, InputDone, InputText, SessionClose,
-                                       SessionConfig, check_text, new_request_id,
-                                       resolve_options)
+                                       SessionConfig, check_characters, check_text, decode_json,
+                                       new_request_id, resolve_options)
 from omni_stream.server.speech import check_ready
 from omni_stream.server.sse import delta_event, error_event
 from omni_stream.server.state import STATE, ServerState
@@ -142,9 +144,8 @@ class WsSession:
 
     async def on_text(self, data: str) -> None:
         try:
-            event = msgspec.json.decode(data, type=ClientEvent)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            err = ApiError.from_validation(e)
+            event = decode_json(data, ClientEvent)
+        except ApiError as err:
             if err.param == "type":
                 err.message += " (use session.config, input.text, input.done, session.close)"
             await self.send_error(err)
@@ -158,6 +159,7 @@ class WsSession:
                 self.configure(event)
                 await self.send_json({"type": "session.updated", "session": self.describe()})
             elif isinstance(event, InputText):
+                check_characters(event.text, "text")  # refused whole: the buffer stays clean
                 pieces, self.buffer = split_sentences(self.buffer + event.text,
                                                       self.st.settings.max_input_chars,
                                                       self.config.split_sentences)
