@@ -1,0 +1,101 @@
+"""Overload against the real backend: the tiny model in its real stage processes, one slot, a
+queue of one. Refusals must be fast and typed (429 queue full at once, 503 past the queue
+deadline, both with Retry-After and OpenAI's error shape), and must not touch the stream that
+holds the slot: its audio equals the same request served alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+from omni_stream.server.testing import run_async, running_server
+from omni_stream.stages.schedule import ChunkSchedule
+
+pytestmark = pytest.mark.timeout(600)
+
+QUEUE_TIMEOUT_S = 0.4
+FRAME_BYTES = 1920 * 2  # one 80 ms frame of s16le at 24 kHz
+# greedy and seeded: the same codes every time. 80 frames take ~2 s on an idle 2-core machine
+# (longer under load), several times the queue deadline, so the stream holding the slot is still
+# running when the queued request's deadline passes
+LONG = dict(model="qwen3-tts", voice="ryan", language="english", response_format="pcm",
+            input="Hello world, this is a streaming test of the whole pipeline.", seed=7,
+            greedy=True, max_new_tokens=80)
+
+
+def _our_segments() -> set[str]:
+    """Shared-memory segments owned by this process (the server runs in it)."""
+    prefix = f"omni-stream-{os.getpid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def _close_pcm(a: bytes, b: bytes) -> bool:
+    """Same length and within 1 LSB: identical codes decoded with different (adaptive) chunkings
+    differ only by float rounding."""
+    x, y = np.frombuffer(a, dtype="<i2"), np.frombuffer(b, dtype="<i2")
+    return len(x) == len(y) and (len(x) == 0 or int(np.abs(x.astype(int) - y.astype(int)).max()) <= 1)
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, bytes, float]:
+    t = time.perf_counter()
+    async with s.post(url + "/v1/audio/speech", json=body) as r:
+        data = await r.read()
+        return r.status, dict(r.headers), data, time.perf_counter() - t
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny_ckpt):
+    before = _our_segments()
+
+    async def main():
+        backend = PipelineBackend(PipelineSettings(
+            model_path=str(tiny_ckpt), max_streams=1, max_queue=1,
+            queue_timeout_s=QUEUE_TIMEOUT_S, max_seq_len=512,
+            schedule=ChunkSchedule(first=1, steady=4)))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/audio/speech", json=LONG) as r:
+                assert r.status == 200
+                head = await r.content.readexactly(FRAME_BYTES)  # admitted and speaking
+                segments = _our_segments() - before
+                # one of these takes the queue's only place and waits out its deadline; the
+                # other two find the queue full
+                others = await asyncio.gather(*(_post(s, url, dict(LONG, seed=i))
+                                                for i in (1, 2, 3)))
+                running = await r.read()
+            for _ in range(100):  # the slot is released when the handler leaves the stream
+                stats = backend.stats()
+                if stats["active_streams"] == 0 and stats["slots_free"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            alone = await _post(s, url, LONG)
+            return segments, head + running, others, stats, alone, backend.stats()
+
+    segments, running, others, idle, alone, final = run_async(main(), timeout=300)
+
+    assert sorted(o[0] for o in others) == [429, 429, 503], [(o[0], o[2][:200]) for o in others]
+    for status, headers, body, elapsed in others:
+        doc = json.loads(body)
+        assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
+        err = doc["error"]
+        assert int(headers["Retry-After"]) >= 1  # whole seconds, as HTTP wants
+        if status == 429:
+            assert (err["type"], err["code"]) == ("rate_limit_error", "server_busy")
+            assert elapsed < QUEUE_TIMEOUT_S, elapsed  # refused at once, not after waiting
+        else:
+            assert (err["type"], err["code"]) == ("server_error", "queue_timeout")
+            assert elapsed >= QUEUE_TIMEOUT_S, elapsed  # it did wait out its deadline
+    assert len(running) == LONG["max_new_tokens"] * FRAME_BYTES
+    assert alone[0] == 200 and _close_pcm(running, alone[2])  # the overload changed nothing
+    assert (idle["active_streams"], idle["slots_free"], idle["queue_depth"]) == (0, 1, 0)
+    assert (final["active_streams"], final["slots_free"], final["queue_depth"]) == (0, 1, 0)
+    assert (final["admission_rejected_queue_full"], final["admission_rejected_deadline"],
+            final["admission_admitted_total"]) == (2, 1, 2)
+    assert len(segments) >= 2  # the server's rings existed while it ran...
+    assert _our_segments() - before == set()  # ...and none outlived it
