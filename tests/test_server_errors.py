@@ -159,6 +159,21 @@ def test_control_characters_and_lone_surrogates_get_400_naming_them(field):
     assert backend.jobs == []
 
 
+@pytest.mark.parametrize("field", ["input", "instructions"])
+def test_control_characters_at_the_edges_are_not_stripped_away(field):
+    # str.strip() takes "\x85", "\x0b" and "\x1c".."\x1f" for whitespace
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return [await post(s, url, {"input": "hi", field: text})
+                    for text in ("  calm\x85", "\x1f", "\x0bcalm")]
+
+    named = ("U+0085 at position 6", "U+001F at position 0", "U+000B at position 0")
+    for (status, _, raw), where in zip(arun(main()), named):
+        err = error_of(raw)
+        assert (status, err["code"], err["param"]) == (400, "invalid_characters", field)
+        assert where in err["message"], err["message"]
+
+
 def test_newline_tab_cr_and_surrogate_pairs_are_accepted_unchanged():
     text = "line1\nline2\ttab\r\n"
 

@@ -243,6 +243,9 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
         raise ApiError(400, "'greedy' and 'do_sample' contradict each other: send one of them",
                        code="invalid_value", param="do_sample")
     greedy = opts.greedy if opts.greedy is not None else opts.do_sample is False
+    # characters first, on the text as sent: strip() would drop an edge "\x85" or "\x1f"
+    # silently, and positions would not match the client's string
+    check_characters(opts.instructions or "", "instructions")
     instructions = (opts.instructions or "").strip() or None
     if instructions is not None:
         check_text(instructions, settings, "instructions")
