@@ -60,7 +60,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(synth):
 
 def test_codes_in_range_and_no_control_ids(synth):
     codes, _, _ = synth.generate_codes(REQS[1], SamplingParams(), 3, 20)
-    assert codes.shape == (20, 16)
+    assert codes.shape[1] == 16 and 0 < len(codes) <= 20
     assert codes.min() >= 0 and codes[:, 1:].max() < 2048
     assert codes[:, 0].max() < 2048  # suppressed control ids never sampled
 

@@ -7,6 +7,13 @@ One ``step(P)`` advances every slot in ``[0, P)`` by one 80 ms frame:
 The step has no data-dependent Python branching and no host sync; the caller reads the new
 codebook-0 ids once per frame to detect end of stream. Slots outside ``[0, P)`` are untouched,
 so a scheduler that packs streams into the lowest free slots pays only for what runs.
+
+Every code is checked where it is produced: a talker draw must be a codebook id (below the
+codebook size) or eos, a code-predictor draw a codebook id. A row that fails either check (a
+stream whose logits went NaN, or a sampler fault) gets ``INVALID`` as its next codebook-0 id;
+its frame must not be emitted and its stream must be failed (``scrub`` then cleans the slot).
+Lookups clamp their ids, so one bad row never raises inside the batched step: the other rows
+compute exactly what they would have without it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import torch
 
 from omni_stream.config import TalkerConfig
 from omni_stream.models.layers import new_caches, rope_tables
-from omni_stream.models.sampling import SamplingParams, SlotSampling, apply_repetition_penalty, sample
+from omni_stream.models.sampling import (INVALID, SamplingParams, SlotSampling, apply_repetition_penalty,
+                                         candidates_needed, sample)
 from omni_stream.models.talker import Talker
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,17 @@ class EngineShape:
     def __post_init__(self) -> None:
         if self.max_slots <= 0 or self.max_seq_len <= 1 or self.max_trailing <= 0:
             raise ValueError("EngineShape sizes must be positive")
+
+
+def talker_scores(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor,
+                  block_eos: torch.Tensor, suppress: torch.Tensor,
+                  eos_col: torch.Tensor) -> torch.Tensor:
+    """The talker's processed scores [B, V] fp32: repetition penalty over the codebook-0
+    history ``seen`` [B, V], then -inf on the suppressed ids [V] and, for rows still under
+    min_new_tokens (``block_eos`` [B]), on eos (``eos_col`` [V])."""
+    scores = apply_repetition_penalty(logits.float(), seen, penalty)
+    banned = suppress.unsqueeze(0) | (block_eos.unsqueeze(1) & eos_col.unsqueeze(0))
+    return scores.masked_fill(banned, float("-inf"))
 
 
 class FrameEngine:
@@ -71,6 +90,10 @@ class FrameEngine:
         self.min_new = torch.zeros(s, dtype=torch.int64, device=dev)
         self.talk_sp = SlotSampling.empty(s, dev)
         self.cp_sp = SlotSampling.empty(s, dev)
+        # sampling candidates each slot needs (host-side: the step reads a Python int, no sync)
+        self._cand_talk = [1] * s
+        self._cand_cp = [1] * s
+        self.codebook_size = self.cfg.code_predictor.vocab_size
         suppress = torch.zeros(lm.vocab_size, dtype=torch.bool, device=dev)
         suppress[list(self.cfg.suppressed_ids)] = True
         self.suppress = suppress
@@ -130,6 +153,7 @@ class FrameEngine:
             raise ValueError(f"{trailing.shape[0]} text-track rows exceed max_trailing {self.shape.max_trailing}")
         self.talk_sp.set(slot, not params.do_sample, params.temperature, params.top_k, params.top_p)
         self.cp_sp.set(slot, not params.sub_do_sample, params.sub_temperature, params.sub_top_k, params.sub_top_p)
+        self.set_candidates(slot, params)
         self.penalty[slot] = params.repetition_penalty
         self.min_new[slot] = params.min_new_tokens
         self.seed[slot] = seed
@@ -139,9 +163,33 @@ class FrameEngine:
         self.trailing[slot, n:] = self.pad_row
         self.trailing_len[slot] = n
 
+    def set_candidates(self, slot: int, params: SamplingParams) -> None:
+        """Record how many top-scoring tokens the slot's draws must consider (1 when greedy)."""
+        lm_v, cp_v = self.cfg.lm.vocab_size, self.codebook_size
+        self._cand_talk[slot] = candidates_needed(params.top_k, lm_v) if params.do_sample else 1
+        self._cand_cp[slot] = candidates_needed(params.sub_top_k, cp_v) if params.sub_do_sample else 1
+
     def release(self, slot: int) -> None:
         """The slot's stream is over: stop advancing it (its state is reset by the next prefill)."""
         self.active[slot] = False
+        self._cand_talk[slot] = self._cand_cp[slot] = 1
+
+    def scrub(self, slot: int) -> None:
+        """Release a slot whose stream failed and wipe what it may have poisoned: its KV rows
+        (a NaN in a masked cache position still reaches attention as 0 * NaN), last hidden
+        state, text-track rows and codes. Idle rows inside a batch then compute finite values."""
+        self.release(slot)
+        n = int(self.pos[slot]) + 1
+        for k, v in self.caches:
+            k[slot, :, :n].zero_()
+            v[slot, :, :n].zero_()
+        for k, v in self.cp_caches:
+            k[slot].zero_()
+            v[slot].zero_()
+        self.last_hidden[slot] = 0
+        self.last_code0[slot] = 0
+        self.trailing[slot] = self.pad_row
+        self.trailing_len[slot] = 0
 
     @property
     def pad_row(self) -> torch.Tensor:
@@ -152,53 +200,64 @@ class FrameEngine:
 
     # ------------------------------------------------------------------ the frame step
     def _talker_draw(self, hidden: torch.Tensor, sl: slice) -> torch.Tensor:
-        """hidden [B, C] (normed) -> next codebook-0 ids [B]; updates history for rows ``sl``."""
+        """hidden [B, C] (normed) -> next codebook-0 ids [B] (INVALID where the draw is not a
+        codebook id or eos); updates history for rows ``sl``."""
         logits = self.talker.codec_head(hidden).float()
-        scores = apply_repetition_penalty(logits, self.seen[sl], self.penalty[sl])
-        block_eos = (self.n_gen[sl] < self.min_new[sl]).unsqueeze(1)
-        banned = self.suppress.unsqueeze(0) | (block_eos & self._eos_col.unsqueeze(0))
-        scores = scores.masked_fill(banned, float("-inf"))
-        sp = SlotSampling(self.talk_sp.greedy[sl], self.talk_sp.temperature[sl],
-                          self.talk_sp.top_k[sl], self.talk_sp.top_p[sl])
-        code0 = sample(scores, sp, self.seed[sl], self.counter[sl])
+        scores = talker_scores(logits, self.seen[sl], self.penalty[sl],
+                               self.n_gen[sl] < self.min_new[sl], self.suppress, self._eos_col)
+        code0 = sample(scores, self.talk_sp.slice(sl), self.seed[sl], self.counter[sl],
+                       max(self._cand_talk[sl]))
+        # validation at the source: a codebook id or eos, nothing else leaves the talker
+        safe = code0.clamp(0, self.cfg.lm.vocab_size - 1)
+        ok = (code0 >= 0) & (code0 < self.cfg.lm.vocab_size) & ~self.suppress[safe]
+        code0 = torch.where(ok, code0, torch.full_like(code0, INVALID))
         self.counter[sl] += 1
         rows = self._arange[sl]
-        self.seen[rows, code0] = True
+        self.seen[rows, safe] = True
         self.n_gen[sl] += 1
         self.last_code0[sl] = code0
         return code0
 
     def _predict_residual(self, p: int) -> torch.Tensor:
-        """Code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current frame."""
+        """Code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current frame; a row
+        with any draw outside the codebook is INVALID in every column."""
         cpm = self.talker.code_predictor
         proj = cpm.small_to_mtp_projection
-        g = self.cfg.num_code_groups
+        g, size = self.cfg.num_code_groups, self.codebook_size
         caches = [(k[:p], v[:p]) for k, v in self.cp_caches]
         rows = self._arange[:p].unsqueeze(1)
         sp = self.cp_sp.rows(p)
-        x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(self.last_code0[:p])), dim=1)
+        cand = max(self._cand_cp[:p])
+        code0 = self.last_code0[:p].clamp(0, self.cfg.lm.vocab_size - 1)
+        x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(code0)), dim=1)
         x = proj(x)  # [p, 2, Ccp]
         h = cpm.model.run(x, self._cp_pos0[:p], rows.expand(p, 2), caches, 2, self.cp_rope)[:, -1]
         out = []
         for j in range(g - 1):
             logits = cpm.lm_head[j](h).float()
-            code = sample(logits, sp, self.seed[:p], self.counter[:p])
+            code = sample(logits, sp, self.seed[:p], self.counter[:p], cand)
             self.counter[:p] += 1
             out.append(code)
             if j == g - 2:
                 break
-            x = proj(cpm.model.codec_embedding[j](code)).unsqueeze(1)  # [p, 1, Ccp]
+            x = proj(cpm.model.codec_embedding[j](code.clamp(0, size - 1))).unsqueeze(1)  # [p, 1, Ccp]
             h = cpm.model.run(x, self._cp_pos[j + 2][:p], rows, caches, j + 3, self.cp_rope)[:, -1]
-        return torch.stack(out, dim=1)
+        codes = torch.stack(out, dim=1)  # [p, G-1]
+        ok = ((codes >= 0) & (codes < size)).all(dim=1, keepdim=True)  # validation at the source
+        return torch.where(ok, codes, torch.full_like(codes, INVALID))
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance slots [0, p) by one frame. Returns (codes [p, G] of the finished frame,
-        next codebook-0 ids [p]). Rows of idle slots in the range are computed and ignored."""
-        residual = self.residual_fn(p)
+        next codebook-0 ids [p]). A row whose frame or next draw failed validation gets
+        INVALID as its next id (do not emit its frame). Rows of idle slots in the range are
+        computed and ignored."""
+        residual = self.residual_fn(p)  # [p, G-1], INVALID rows where the code predictor failed
         codes = torch.cat((self.last_code0[:p].unsqueeze(1), residual), dim=1)  # [p, G]
+        frame_ok = (codes >= 0).all(dim=1)
         t = self.talker
-        embeds = [t.codec_embed(codes[:, 0])]
-        embeds += [tab(codes[:, i + 1]) for i, tab in enumerate(t.code_predictor.model.codec_embedding)]
+        embeds = [t.codec_embed(codes[:, 0].clamp(0, self.cfg.lm.vocab_size - 1))]
+        safe = residual.clamp(0, self.codebook_size - 1)
+        embeds += [tab(safe[:, i]) for i, tab in enumerate(t.code_predictor.model.codec_embedding)]
         x = torch.stack(embeds, dim=1).sum(1)  # [p, C]
         idx = torch.minimum(self.gen_step[:p], self.trailing_len[:p])
         x = x + self.trailing[self._arange[:p], idx]
@@ -216,4 +275,5 @@ class FrameEngine:
         self.pos[:p] = (self.pos[:p] + act).clamp(max=self.shape.max_seq_len - 1)
         self.gen_step[:p] += act
         code0 = self._talker_draw(hidden, slice(0, p))
+        code0 = torch.where(frame_ok, code0, torch.full_like(code0, INVALID))
         return codes, code0
