@@ -8,6 +8,7 @@ validates it. Nothing here is chosen from a folder name.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -325,16 +326,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "sub_temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("top_p", "sub_top_p"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
         for name in ("top_k", "sub_top_k", "min_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty}")
 
     @classmethod
     def greedy(cls) -> "SamplingParams":

@@ -32,13 +32,15 @@ from omni_stream.models.synthesis import cache_dir
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import CalibrationCache, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
+from omni_stream.scheduling.limits import FrameCap, stream_frame_cap
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
 from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
-                                   MsgKind, Ring, Shutdown, StatsReply, cleanup_stale)
+from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
+                                   FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
+                                   cleanup_stale)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ class PipelineSettings:
     max_seq_len: int = 2048
     max_queue: int = 16
     queue_timeout_s: float = 10.0
-    default_max_frames: int = 1500  # 120 s of audio
+    default_max_frames: int = 1500  # 120 s of audio: the ceiling of the default frame cap
+    frame_cap: FrameCap = field(default_factory=FrameCap)  # default cap that follows the text
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     talker_threads: int = 1
     codec_threads: int = 1
@@ -191,6 +194,7 @@ class PipelineBackend:
         self._closing = False
         self._completed = 0
         self._failed = 0
+        self._invalid_codes = 0  # streams failed because a code failed its check
         self.codec_info: dict | None = None  # announced to codec-frame clients (set in start)
 
     def _fingerprint(self) -> str:
@@ -200,9 +204,13 @@ class PipelineBackend:
                self.s.placement, self.s.talker_threads, self.s.codec_threads]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
-    def prompt_tokens(self, job: SpeechJob) -> int:
+    def text_tokens(self, job: SpeechJob) -> int:
+        """Tokens of the text to speak (what the default frame cap follows)."""
+        return len(self.tokenizer.encode(assistant_text(job.text))) - 8
+
+    def prompt_tokens(self, job: SpeechJob, text_tokens: int | None = None) -> int:
         """Talker positions the prompt will take (an upper bound; exact for text and instruction)."""
-        text = len(self.tokenizer.encode(assistant_text(job.text))) - 8
+        text = self.text_tokens(job) if text_tokens is None else text_tokens
         n = 3 + 6 + text + 2  # role, codec prefix (think.., language, speaker, pad), eos, bos
         if job.instructions and self.supports_instructions:
             n += len(self.tokenizer.encode(instruct_text(job.instructions)))
@@ -240,7 +248,8 @@ class PipelineBackend:
                    slots_total=self.s.max_streams,
                    slots_free=self.s.max_streams - snap.get("admitted", 0),
                    stage_restarts=self._restarts, streams_completed=self._completed,
-                   streams_failed=self._failed, chunk_policy_calibrated=int(self._calibrated))
+                   streams_failed=self._failed, streams_failed_invalid_code=self._invalid_codes,
+                   chunk_policy_calibrated=int(self._calibrated))
         out.update({f"admission_{k}": v for k, v in snap.items()})
         return out
 
@@ -299,9 +308,11 @@ class PipelineBackend:
         if self._pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
         assert self.adm is not None
-        prompt_len = self.prompt_tokens(job)
-        max_frames = job.max_frames or min(self.s.default_max_frames,
-                                           self.s.max_seq_len - prompt_len - 1)
+        text_tokens = self.text_tokens(job)
+        prompt_len = self.prompt_tokens(job, text_tokens)
+        room = self.s.max_seq_len - prompt_len - 1
+        max_frames = job.max_frames or stream_frame_cap(None, text_tokens, self.s.frame_cap,
+                                                        self.s.default_max_frames, room)
         if prompt_len + max_frames + 1 > self.s.max_seq_len:
             raise BackendError(400, "request_too_large", f"prompt ({prompt_len} positions) + "
                                f"max_new_tokens ({max_frames}) exceed the {self.s.max_seq_len} "
@@ -342,6 +353,9 @@ class PipelineBackend:
                 m = item
                 if m.flags & Flags.ERROR:
                     text = bytes(m.payload).decode(errors="replace") if m.payload is not None else ""
+                    if m.aux == FailReason.INVALID_CODE:
+                        self._invalid_codes += 1
+                    log.warning("stream %d (%s) failed: %s", sid, job.request_id, text)
                     raise BackendError(500, "synthesis_failed", text or "synthesis failed")
                 n = 0
                 chunk_pcm = chunk_codes = None
@@ -357,7 +371,8 @@ class PipelineBackend:
                     st.done = True
                     self._completed += 1
                     yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n, final=True,
-                                     input_tokens=int(m.aux), output_frames=total)
+                                     input_tokens=int(m.aux), output_frames=total,
+                                     finish_reason="length" if m.flags & Flags.LENGTH else "stop")
                     return
                 yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n)
         except BackendError:

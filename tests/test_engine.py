@@ -170,3 +170,40 @@ def test_chunked_prefill_equals_whole(tiny_model):
     eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=1, max_seq_len=256))
     with pytest.raises(ValueError, match="holds 0 prompt positions"):
         eng.prefill(0, p.embeds[:2], p.trailing, params, 0, start=4)
+
+
+@pytest.mark.parametrize("where", ["talker", "code_predictor"])
+def test_a_poisoned_row_is_invalid_and_leaves_the_others_and_its_slot_clean(synth, tiny_model, where):
+    """NaN in one slot's talker input (or the hidden state its code predictor reads) makes that
+    row INVALID at once; the other rows' codes are bit-identical to a clean run; after
+    ``scrub`` the slot serves a new stream exactly as a fresh engine would (no NaN left in its
+    KV rows, which masked attention would still multiply by zero)."""
+    from omni_stream.models.sampling import INVALID
+
+    params, seeds, frames, bad_at = SamplingParams(), [11, 22, 33], 8, 3
+    clean = _run_batched(tiny_model, REQS, params, seeds, frames)
+    builder = PromptBuilder(tiny_model.config, tiny_model.weights.talker, tiny_model.tokenizer)
+    eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=4, max_seq_len=512))
+    with torch.inference_mode():
+        for i, r in enumerate(REQS):
+            p = builder.build(r)
+            eng.prefill(i, p.embeds, p.trailing, params, seeds[i])
+        for f in range(frames):
+            if f == bad_at:
+                if where == "talker":
+                    eng.trailing[1] = float("nan")
+                else:
+                    eng.last_hidden[1] = float("nan")
+            codes, code0 = eng.step(3)
+            if f == bad_at:
+                assert code0[1].item() == INVALID and code0[0].item() != INVALID
+                eng.scrub(1)
+            for i in (0, 2):
+                np.testing.assert_array_equal(codes[i].numpy(), clean[i][f])
+        assert all(bool(torch.isfinite(k[1]).all()) for k, _ in eng.caches)
+        # the scrubbed slot takes a new stream while slot 0 and 2 keep running
+        p = builder.build(REQS[1])
+        eng.prefill(1, p.embeds, p.trailing, params, 99)
+        again = [eng.step(3)[0][1].clone().numpy() for _ in range(5)]
+    fresh, _, _ = synth.generate_codes(REQS[1], params, 99, 5)
+    np.testing.assert_array_equal(np.stack(again), fresh)

@@ -177,8 +177,14 @@ def test_bad_input_does_not_disturb_running_stream(tiny_ckpt):
                 st, _, body = await _speech(s, url, **b)
                 assert 400 <= st < 500, (b, st)
                 assert "error" in json.loads(body)
-            async with s.post(url + "/v1/audio/speech", data=b"{not json") as r:
+            async with s.post(url + "/v1/audio/speech", data=b"{not json",
+                              headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 400
+            async with s.post(url + "/v1/audio/speech", data=b'{"input": "hi"}',
+                              headers={"Content-Type": "text/plain"}) as r:
+                assert r.status == 415
+            st, _, body = await _speech(s, url, input="bad\x00byte")
+            assert st == 400 and json.loads(body)["error"]["code"] == "invalid_characters"
             st, _, data = await long_req
             assert st == 200
             ref = await _speech(s, url, input=TEXT, response_format="pcm", seed=5, max_new_tokens=30)
@@ -381,3 +387,41 @@ def test_int8_weight_path_serves_the_same_audio_as_offline_int8(tiny_ckpt):
         # a bf16 codec streamed in chunks vs in one pass rounds differently (bf16 steps are 64
         # LSB near full scale), so compare SNR: same codes give ~30 dB, other codes ~0 dB
         assert snr_db(expected, audio) > 20, (placement, snr_db(expected, audio))
+
+
+def test_default_frame_cap_follows_the_text(tiny_ckpt):
+    """'Hi.' on the tiny random model (which rarely says eos) stops at 40 + 12 x its text tokens
+    with finish_reason 'length', not after minutes; max_new_tokens still overrides the formula."""
+    from omni_stream.scheduling.limits import FrameCap
+
+    async def main():
+        backend = PipelineBackend(_settings(tiny_ckpt))
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            dones = []
+            for extra in ({}, {"max_new_tokens": 7}):
+                st, _, body = await _speech(s, url, input="Hi.", response_format="pcm",
+                                            stream_format="sse", seed=3, **extra)
+                assert st == 200
+                events = [json.loads(line[6:]) for line in body.decode().split("\n\n")
+                          if line.startswith("data: ")]
+                pcm = b"".join(base64.b64decode(e["audio"]) for e in events
+                               if e["type"] == "speech.audio.delta")
+                done = events[-1]
+                assert done["type"] == "speech.audio.done"
+                assert len(pcm) == done["usage"]["output_tokens"] * 1920 * 2  # complete
+                dones.append(done)
+            return dones, backend.text_tokens(_job("Hi."))
+
+    (default, capped), tokens = run_async(main(), timeout=300)
+    cap = FrameCap().frames(tokens)
+    assert cap == 40 + 12 * tokens and cap <= 100  # a few seconds of audio, not minutes
+    out = default["usage"]["output_tokens"]
+    assert 0 < out <= cap and (default["finish_reason"] == "length") == (out == cap)
+    assert capped["usage"]["output_tokens"] <= 7 and capped["finish_reason"] in ("length", "stop")
+    assert (capped["finish_reason"] == "length") == (capped["usage"]["output_tokens"] == 7)
+
+
+def _job(text: str):
+    from omni_stream.server.backend import SpeechJob
+
+    return SpeechJob(text=text, request_id="t")

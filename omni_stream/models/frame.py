@@ -169,6 +169,12 @@ class FrameEngine:
         self._cand_talk[slot] = candidates_needed(params.top_k, lm_v) if params.do_sample else 1
         self._cand_cp[slot] = candidates_needed(params.sub_top_k, cp_v) if params.sub_do_sample else 1
 
+    def set_cp_candidates(self, top_k: list[int], greedy: list[bool]) -> None:
+        """The code predictor's candidate needs of rows [0, len(top_k)), for an engine that
+        receives its rows' sampling settings per request (the split code-predictor stage)."""
+        for row, (k, g) in enumerate(zip(top_k, greedy)):
+            self._cand_cp[row] = 1 if g else candidates_needed(k, self.codebook_size)
+
     def release(self, slot: int) -> None:
         """The slot's stream is over: stop advancing it (its state is reset by the next prefill)."""
         self.active[slot] = False

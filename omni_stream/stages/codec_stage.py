@@ -6,7 +6,13 @@ n_frames * 1920 samples) or, for codes-only streams, the frames themselves; END 
 chunk, ERROR|END (payload = utf-8 message) on failure. Each stream owns a decoder slot from its
 FIRST event to its END; streams whose next chunk has the same length are decoded in one batch.
 When the stage falls behind, a stream's whole backlog is decoded in one call (never more than
-``max_chunk`` frames), which both catches up and amortises the per-call cost.
+``max_chunk`` frames), which both catches up and amortises the per-call cost. A final chunk
+carries LENGTH when the talker stopped the stream at its frame cap.
+
+A fault stays with its stream: a frame that is not [n, 16] codes inside the codebook fails its
+stream (ERROR|END to the server; its later frames are dropped until the talker's END or cancel
+arrives), and an exception in a batched decode fails the streams of that call. The stage itself
+keeps serving the others.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.stages.schedule import ChunkSchedule
-from omni_stream.transport import Flags, Message, MsgKind, Ring
+from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring
+from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import start_stage
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,8 @@ class _Stream:
     last_frame_t: float | None = None
     frame_dt: float = 0.08  # EMA of the time between its frames (generation speed)
     prev_chunk: int | None = None
+    frames_in: int = 0
+    length: bool = False  # the talker stopped it at its frame cap
 
     def slack_s(self, now: float) -> float:
         """Audio sent minus audio played (playback assumed to start at the first chunk)."""
@@ -55,8 +64,13 @@ class _Stream:
 
 class CodecStage:
     def __init__(self, model: Code2Wav, max_slots: int, out: Ring, max_chunk: int = 32,
-                 min_slack_s: float = 0.16) -> None:
+                 min_slack_s: float = 0.16, faults: FaultPlan | None = None) -> None:
         self.min_slack_s = min_slack_s
+        self.faults = faults or FaultPlan()
+        self.codebooks = model.cfg.num_quantizers
+        self.codebook_size = model.cfg.codebook_size
+        self.failed: set[int] = set()  # failed here; the talker's END / cancel not yet seen
+        self.failed_total = 0
         self.dec = Code2WavStream(model, max_slots)
         self.spf = model.samples_per_frame
         self.out = out
@@ -84,11 +98,15 @@ class CodecStage:
                                  min_slack_s=self.min_slack_s)
             self.streams[sid] = _Stream(slot, policy, bool(info[3]), int(info[4]), first_ns=m.enqueue_ns)
             return
+        if sid in self.failed:  # already failed here: drop the rest quietly
+            if m.kind == MsgKind.EVENT and m.flags & Flags.END:
+                self.failed.discard(sid)
+            return
         st = self.streams.get(sid)
         if m.kind == MsgKind.EVENT:
             if m.flags & Flags.ERROR:
                 self.out.put(m.payload, kind=MsgKind.EVENT, stream_id=sid,
-                             flags=Flags.ERROR | Flags.END, timeout=5.0)
+                             flags=Flags.ERROR | Flags.END, aux=m.aux, timeout=5.0)
             elif m.flags & Flags.END and m.aux == 0 and st is None:
                 # ended before any frame (eos first): an empty final chunk
                 self.out.put(None, kind=MsgKind.EVENT, stream_id=sid, flags=Flags.END, timeout=5.0)
@@ -100,17 +118,50 @@ class CodecStage:
         if st is None:
             log.warning("frame for unknown stream %d dropped", sid)
             return
-        st.buf.append(m.payload)
+        payload = m.payload
+        if self.faults and self.faults.fires("codec", sid, st.frames_in):
+            payload = np.full((1, self.codebooks), self.codebook_size, dtype=np.int64)
+        problem = self._check_frames(payload)
+        if problem is not None:
+            st.ended = bool(m.flags & Flags.END)
+            self._fail(sid, f"frame {st.frames_in} reached the codec stage invalid: {problem}; "
+                       "the stream was stopped", FailReason.INVALID_CODE)
+            return
+        st.frames_in += len(payload)
+        st.buf.append(payload)
         now = time.monotonic()
         if st.last_frame_t is not None:
             st.frame_dt = 0.8 * st.frame_dt + 0.2 * (now - st.last_frame_t)
         st.last_frame_t = now
         if m.flags & Flags.END:
             st.ended = True
+            st.length = bool(m.flags & Flags.LENGTH)
 
-    def _error(self, sid: int, text: str) -> None:
+    def _check_frames(self, codes) -> str | None:
+        """Why ``codes`` is not a valid [n, codebooks] int64 block inside the codebook, or None."""
+        if not isinstance(codes, np.ndarray) or codes.dtype != np.int64:
+            return f"expected int64 codes, got {getattr(codes, 'dtype', type(codes).__name__)}"
+        if codes.ndim != 2 or codes.shape[0] < 1 or codes.shape[1] != self.codebooks:
+            return f"expected shape [n, {self.codebooks}], got {list(codes.shape)}"
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= self.codebook_size:
+            return f"codes must lie in [0, {self.codebook_size}), got values in [{lo}, {hi}]"
+        return None
+
+    def _fail(self, sid: int, text: str, reason: int = FailReason.OTHER) -> None:
+        """Fail one stream: ERROR|END to the server, free its decoder slot, drop what follows."""
+        log.warning("stream %d failed: %s", sid, text)
+        self.failed_total += 1
+        self._error(sid, text, reason)
+        st = self.streams.get(sid)
+        if st is not None:
+            self._drop(sid)
+        if st is None or not st.ended:  # the talker still has frames or an END on the way
+            self.failed.add(sid)
+
+    def _error(self, sid: int, text: str, reason: int = FailReason.OTHER) -> None:
         self.out.put(np.frombuffer(text.encode(), dtype=np.uint8).copy(), kind=MsgKind.EVENT,
-                     stream_id=sid, flags=Flags.ERROR | Flags.END, timeout=5.0)
+                     stream_id=sid, flags=Flags.ERROR | Flags.END, aux=reason, timeout=5.0)
 
     def _drop(self, sid: int) -> None:
         st = self.streams.pop(sid)
@@ -148,8 +199,14 @@ class CodecStage:
         for n, group in by_len.items():
             codes = np.stack([np.concatenate(st.buf[:n], axis=0).T for _, st in group])  # [k,16,n]
             t0 = time.perf_counter()
-            pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
-            pcm = pcm.float().cpu().numpy()
+            try:
+                pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
+                pcm = pcm.float().cpu().numpy()
+            except Exception as e:  # this call's streams (their decoder state is half-written)
+                log.exception("decode of %d streams failed", len(group))
+                for sid, _ in group:
+                    self._fail(sid, f"synthesis failed in the codec stage: {e}")
+                continue
             dt = time.perf_counter() - t0
             stepstats.record("codec.decode", dt)
             self.decode_s += dt
@@ -169,19 +226,20 @@ class CodecStage:
         st.frames_out += n
         last = st.ended and not st.buf
         flags = Flags.END if last else 0
+        if last and st.length:
+            flags |= Flags.LENGTH
         if st.chunks == 1:
             flags |= Flags.FIRST
-        if pcm is None:
-            self.out.put(frames, kind=MsgKind.CODES, stream_id=sid, seq=st.chunks - 1, flags=flags,
-                         aux=st.input_tokens, timeout=5.0)
-        else:
-            self.out.put(pcm, kind=MsgKind.PCM, stream_id=sid, seq=st.chunks - 1, flags=flags,
-                         aux=st.input_tokens, timeout=5.0)
+        kind, payload = (MsgKind.CODES, frames) if pcm is None else (MsgKind.PCM, pcm)
+        if not self.out.put(payload, kind=kind, stream_id=sid, seq=st.chunks - 1, flags=flags,
+                            aux=st.input_tokens, timeout=5.0):
+            self._fail(sid, "the server did not take an audio chunk within 5 s")
+            return
         if last:
             self._drop(sid)
 
     def stats(self) -> dict[str, float]:
-        return dict(streams=len(self.streams), free_slots=len(self.free),
+        return dict(streams=len(self.streams), free_slots=len(self.free), failed=self.failed_total,
                     decode_ms_per_frame=1e3 * self.decode_s / max(self.decoded_frames, 1),
                     decode_calls=self.calls)
 
@@ -194,7 +252,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     inp = frames_handle.open()
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    stage = CodecStage(model, spec.max_slots, out)
+    stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
     out.put(None, kind=MsgKind.EVENT, stream_id=READY_STREAM_ID, timeout=5.0)
     try:
         did = False

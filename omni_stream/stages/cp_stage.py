@@ -6,7 +6,9 @@ for slots [0, P):
   1. float32 [P, C + 3]: talker hidden state ++ (greedy flag, temperature, top-p) of the code
      predictor's sampler;
   2. int64 [P, 4]: codebook-0 id, stream seed, draw counter, top-k;
-and gets back int64 [P, G-1]: codes 1..G-1. The draw counters travel with the request, so the
+and gets back int64 [P, G-1]: codes 1..G-1, each checked here before it leaves (a row that
+failed the check, or a request the stage could not compute, comes back as INVALID in every
+column, and the talker fails that stream). The draw counters travel with the request, so the
 split placement draws exactly what the co-located one does (same codes, tested).
 """
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.models.sampling import INVALID
 from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
 from omni_stream.stages.proc import start_stage
@@ -56,7 +59,10 @@ class RemoteResidual:
         if m is None or m.seq != self.seq:
             raise CodePredictorUnavailable("code-predictor stage stopped answering")
         e.counter[:p] += e.cfg.num_code_groups - 1
-        return torch.from_numpy(m.payload).to(e.device)
+        codes = torch.from_numpy(m.payload).to(e.device)
+        # trust nothing that crossed a hop: a row with any value outside the codebook is INVALID
+        ok = ((codes >= 0) & (codes < e.codebook_size)).all(dim=1, keepdim=True)
+        return torch.where(ok, codes, torch.full_like(codes, INVALID))
 
 
 def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> None:
@@ -81,9 +87,14 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
             engine.seed[:p] = i[:, 1]
             engine.counter[:p] = i[:, 2]
             engine.cp_sp.top_k[:p] = i[:, 3]
+            engine.set_cp_candidates(i[:, 3].tolist(), (f[:, c] > 0.5).tolist())
             stepstats.record_ns("hop.cp.put_get", m1.put_ns, m1.get_ns)
-            with stepstats.phase("cp.predict"):
-                codes = engine._predict_residual(p)
+            try:
+                with stepstats.phase("cp.predict"):
+                    codes = engine._predict_residual(p)
+            except Exception:  # fail this request's streams (the talker sees INVALID), not the stage
+                log.exception("code-predictor step failed for %d rows", p)
+                codes = torch.full((p, engine.cfg.num_code_groups - 1), INVALID, dtype=torch.int64)
             out.put(codes.numpy().astype(np.int64), kind=MsgKind.CODES, seq=m1.seq, timeout=30.0)
 
 

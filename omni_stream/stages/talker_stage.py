@@ -5,7 +5,13 @@ leave on the ``frames`` ring as CODES messages ([1, 16] int64, seq = frame index
 last frame). A stream's first message is an EVENT with FIRST set whose payload carries what the
 codec stage needs to know about it (chunk schedule, codes-only mode), so the codec never sees a
 frame of a stream it has not been told about. Errors for a stream travel in-band as EVENT with
-ERROR|END; a cancelled stream gets an EVENT with END and aux=1 (nothing more will come).
+ERROR|END; a cancelled stream gets an EVENT with END and aux=1 (nothing more will come). The
+last frame of a stream stopped by its frame cap carries END|LENGTH.
+
+A fault stays with its stream: a prompt that fails to build or prefill, a frame whose codes
+fail the engine's checks (``INVALID``), or a frame that cannot be handed on fails that stream
+alone (ERROR|END, its slot scrubbed) and the others go on; an exception inside the batched step
+fails the streams of that step, never the process.
 
 Streams join the running batch at frame boundaries; slots are taken lowest-first so the step
 covers ``[0, highest active + 1)`` with few idle rows.
@@ -24,17 +30,23 @@ import torch
 from omni_stream.models.checkpoint import LoadedModel
 from omni_stream.models.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import Prompt, PromptBuilder, PromptRequest
-from omni_stream.models.sampling import SamplingParams
+from omni_stream.models.sampling import INVALID, SamplingParams
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
                                             RunningStream, decide_prefill, slack_s)
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
-                                   MsgKind, Ring, Shutdown, StatsReply, StatsRequest)
+from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
+                                   FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
+                                   StatsRequest)
+from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import start_stage
 
 log = logging.getLogger(__name__)
 
 CANCELLED = 1  # aux value of the END event of a cancelled stream
+
+
+class InvalidCode(ValueError):
+    """A code failed the engine's check where it was drawn."""
 
 
 @dataclass
@@ -67,7 +79,8 @@ class ThrottleSettings:
 
 class TalkerStage:
     def __init__(self, model: LoadedModel, shape: EngineShape, out: Ring,
-                 device: str = "cpu", throttle: ThrottleSettings | None = None) -> None:
+                 device: str = "cpu", throttle: ThrottleSettings | None = None,
+                 faults: FaultPlan | None = None) -> None:
         self.model = model
         self.engine = FrameEngine(model.weights.talker, shape, device=device)
         self._step = self.engine.step  # replaced by a CUDA-graph runner on GPUs (enable_graphs)
@@ -83,6 +96,8 @@ class TalkerStage:
         self._cost_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
         self.frame_s = 0.05  # EMA of the measured decode-step wall time
         self.decisions: collections.Counter = collections.Counter()
+        self.faults = faults or FaultPlan()
+        self.failed = 0  # streams failed in this stage (not cancelled)
         self.steps = 0
         self.prefills = 0
         self.step_s = 0.0
@@ -121,7 +136,7 @@ class TalkerStage:
 
     def stats(self) -> dict[str, float]:
         return dict(active=len(self.active), pending=len(self.pending), free_slots=len(self.free),
-                    steps=self.steps, prefills=self.prefills,
+                    steps=self.steps, prefills=self.prefills, failed=self.failed,
                     step_ms_mean=1e3 * self.step_s / max(self.steps, 1),
                     prefill_ms_mean=1e3 * self.prefill_s / max(self.prefills, 1),
                     prefill_ms_per_token=1e3 * self.cost.per_token_s,
@@ -129,7 +144,15 @@ class TalkerStage:
 
     # ------------------------------------------------------------------ work
     def _event(self, stream_id: int, flags: int, payload: np.ndarray | None = None, aux: int = 0) -> None:
-        self.out.put(payload, kind=MsgKind.EVENT, stream_id=stream_id, flags=flags, aux=aux, timeout=5.0)
+        if not self.out.put(payload, kind=MsgKind.EVENT, stream_id=stream_id, flags=flags, aux=aux,
+                            timeout=5.0):
+            log.error("stream %d: event %d could not be handed to the codec stage in 5 s",
+                      stream_id, flags)
+
+    def _error(self, stream_id: int, text: str, reason: int = FailReason.OTHER) -> None:
+        self.failed += 1
+        self._event(stream_id, Flags.ERROR | Flags.END,
+                    np.frombuffer(text.encode()[:2000], dtype=np.uint8).copy(), aux=reason)
 
     def _free_slot(self, slot: int) -> None:
         self.engine.release(slot)
@@ -140,12 +163,24 @@ class TalkerStage:
         del self.active[slot]
         self._free_slot(slot)
 
+    def _scrub_slot(self, slot: int) -> None:
+        """Free a failed stream's slot and wipe what it may have poisoned (NaN KV rows)."""
+        self.engine.scrub(slot)
+        self.free.append(slot)
+        self.free.sort()
+
     def _fail(self, pend: _Pending, e: Exception) -> None:
         log.warning("stream %d failed at admission: %s", pend.msg.stream_id, e)
         if pend.slot is not None:
-            self._free_slot(pend.slot)
-        self._event(pend.msg.stream_id, Flags.ERROR | Flags.END,
-                    np.frombuffer(str(e).encode()[:2000], dtype=np.uint8).copy())
+            self._scrub_slot(pend.slot)
+        self._error(pend.msg.stream_id, str(e),
+                    FailReason.INVALID_CODE if isinstance(e, InvalidCode) else FailReason.OTHER)
+
+    def _fail_active(self, slot: int, text: str, reason: int = FailReason.OTHER) -> None:
+        a = self.active.pop(slot)
+        log.warning("stream %d failed at frame %d: %s", a.stream_id, a.frames, text)
+        self._scrub_slot(slot)
+        self._error(a.stream_id, text, reason)
 
     def _start(self, pend: _Pending) -> None:
         """Build the prompt, take a slot, tell the codec stage about the stream."""
@@ -183,6 +218,9 @@ class TalkerStage:
         if not final:
             return False
         self.prefills += 1
+        if code0 == INVALID:
+            raise InvalidCode("the model produced no valid first code for this stream "
+                              "(non-finite logits); the stream was stopped")
         self.pending.remove(pend)
         if code0 == self.eos:  # nothing to say: end at once
             self._free_slot(pend.slot)
@@ -236,10 +274,18 @@ class TalkerStage:
         if not self.active:
             return did
         p = max(self.active) + 1
+        if self.faults:
+            self._inject_faults()
         t0 = time.perf_counter()
-        codes, code0 = self._step(p)
-        codes_np = codes.cpu().numpy()
-        nxt = code0.tolist()
+        try:
+            codes, code0 = self._step(p)
+            codes_np = codes.cpu().numpy()
+            nxt = code0.tolist()
+        except Exception as e:  # not attributable to one stream: fail this step's streams only
+            log.exception("frame step failed; failing its %d streams", len(self.active))
+            for slot in list(self.active):
+                self._fail_active(slot, f"synthesis failed in the talker stage: {e}")
+            return True
         dt = time.perf_counter() - t0
         stepstats.record("talker.step", dt)
         self.frame_s = 0.8 * self.frame_s + 0.2 * dt
@@ -249,17 +295,36 @@ class TalkerStage:
         t_emit = time.perf_counter()
         now = time.monotonic()
         for slot, a in list(self.active.items()):
+            if nxt[slot] == INVALID:
+                self._fail_active(slot, f"the model produced an invalid code at frame {a.frames} "
+                                  "(non-finite logits); the stream was stopped",
+                                  FailReason.INVALID_CODE)
+                continue
             a.frames += 1
             if a.first_t is None:
                 a.first_t = now
-            last = nxt[slot] == self.eos or a.frames >= a.max_frames
-            self.out.put(codes_np[slot:slot + 1], kind=MsgKind.CODES, stream_id=a.stream_id,
-                         seq=a.frames - 1, flags=Flags.END if last else 0, enqueue_ns=t_ns,
-                         timeout=5.0)
-            if last:
+            flags = 0
+            if nxt[slot] == self.eos:
+                flags = Flags.END
+            elif a.frames >= a.max_frames:
+                flags = Flags.END | Flags.LENGTH
+            if not self.out.put(codes_np[slot:slot + 1], kind=MsgKind.CODES, stream_id=a.stream_id,
+                                seq=a.frames - 1, flags=flags, enqueue_ns=t_ns, timeout=5.0):
+                self._fail_active(slot, "the codec stage did not take a frame within 5 s")
+                continue
+            if flags:
                 self._release(slot)
         stepstats.record("talker.emit", time.perf_counter() - t_emit)
         return True
+
+
+    def _inject_faults(self) -> None:
+        """Planned faults (``stages.faults``): poison the inputs of one stream's next frame."""
+        for slot, a in self.active.items():
+            if self.faults.fires("talker", a.stream_id, a.frames):
+                self.engine.trailing[slot] = float("nan")
+            if self.faults.fires("code_predictor", a.stream_id, a.frames):
+                self.engine.last_hidden[slot] = float("nan")
 
 
 @dataclass(frozen=True)
@@ -289,7 +354,8 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
                        weight_path=spec.weight_path)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
-                        out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle))
+                        out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle),
+                        faults=FaultPlan.from_env())
     if spec.compile:
         from omni_stream.models.compiled import compile_engine, warm_up
 

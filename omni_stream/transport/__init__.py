@@ -3,14 +3,14 @@
 from .messages import (AddStream, CancelStream, ChannelClosed, ControlChannel, ControlMessage,
                        Shutdown, StageError, StatsReply, StatsRequest, decode, encode)
 from .notify import Notifier
-from .record import DTYPES, HEADER_SIZE, Flags, Message, MsgKind
+from .record import DTYPES, HEADER_SIZE, FailReason, Flags, Message, MsgKind
 from .ring import Ring, RingHandle
 from .shm import (SEGMENT_PREFIX, SegmentRegistry, cleanup_stale, default_registry,
                   default_shm_dir, pid_alive)
 
 __all__ = [
     "AddStream", "CancelStream", "ChannelClosed", "ControlChannel", "ControlMessage", "DTYPES",
-    "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "Ring", "RingHandle",
+    "FailReason", "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "Ring", "RingHandle",
     "SEGMENT_PREFIX", "SegmentRegistry", "Shutdown", "StageError", "StatsReply", "StatsRequest",
     "cleanup_stale", "decode", "default_registry", "default_shm_dir", "encode", "pid_alive",
 ]

@@ -46,6 +46,15 @@ class Flags(IntFlag):
     END = 1       # last message of the stream
     ERROR = 2     # the stream failed upstream; payload may be empty
     FIRST = 4     # first message of the stream
+    LENGTH = 8    # with END: the stream stopped at its frame cap, not at the model's end
+
+
+class FailReason(IntEnum):
+    """``aux`` of an ERROR event: why the stream failed (for metrics; the payload says it in
+    words)."""
+
+    OTHER = 0
+    INVALID_CODE = 1  # a code failed the check where it was produced or where it arrived
 
 
 DTYPES: tuple[str | None, ...] = (None, "bool", "uint8", "int8", "int16", "int32", "int64",
