@@ -87,7 +87,7 @@ class TorchDecoder(FrameDecoder):
 
     def __init__(self, model_dir: str | Path, threads: int | None = None) -> None:
         from omni_stream.export.manifest import codec_identity
-        from omni_stream.models.checkpoint import CheckpointError, load_codec
+        from omni_stream.checkpoints.io import CheckpointError, load_codec
         from omni_stream.models.code2wav import Code2WavStream
 
         if threads:

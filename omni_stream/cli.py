@@ -23,7 +23,7 @@ def _dtype(name: str):
 
 
 def cmd_make_checkpoint(a: argparse.Namespace) -> int:
-    from omni_stream.models.checkpoint import write_random_checkpoint
+    from omni_stream.checkpoints.io import write_random_checkpoint
 
     t0 = time.perf_counter()
     out = write_random_checkpoint(a.out, a.preset, a.variant, seed=a.seed, dtype=_dtype(a.dtype),
@@ -39,14 +39,14 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
     import torch
 
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(a.threads) if a.threads else None
     dtype = torch.bfloat16 if a.weight_path in LOW_BIT_WEIGHT_PATHS else _dtype(a.dtype)
     synth = Synthesizer.from_path(a.model, dtype=dtype, weight_path=a.weight_path)
     if a.compile:
-        from omni_stream.models.compiled import compile_engine, compile_stats, warm_up
+        from omni_stream.engine.compiled import compile_engine, compile_stats, warm_up
 
         compile_engine(synth.engine)
         took = warm_up(synth.engine)
@@ -84,7 +84,7 @@ def _model_bytes(path) -> int:
     """Parameters of the main checkpoint x 2 (bf16 bytes, what build_profile expects)."""
     from safetensors import safe_open
 
-    from omni_stream.models.checkpoint import _weight_files
+    from omni_stream.checkpoints.io import _weight_files
 
     n = 0
     for f in _weight_files(path):
@@ -100,7 +100,7 @@ def effective_profile(a: argparse.Namespace, path, hw=None):
     ``--profile none`` is the fixed defaults plus the flags. Returns (profile, sources)."""
     from omni_stream.edge.adapt import DeployProfile, build_profile
     from omni_stream.edge.probe import load_profile
-    from omni_stream.models.checkpoint import read_config
+    from omni_stream.checkpoints.io import read_config
     from omni_stream.scheduling import kv_bytes_per_token
 
     user = {}
@@ -127,7 +127,7 @@ def effective_profile(a: argparse.Namespace, path, hw=None):
 def pipeline_settings(a: argparse.Namespace, hw=None):
     """PipelineSettings for ``serve`` from the flags and the effective profile."""
     from omni_stream.edge.adapt import format_profile
-    from omni_stream.models.synthesis import resolve_model_path
+    from omni_stream.checkpoints.default import resolve_model_path
     from omni_stream.orchestrator import PipelineSettings
     from omni_stream.stages.schedule import ChunkSchedule
 
@@ -165,8 +165,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     from omni_stream.edge.adapt import build_profile, format_profile, profile_to_dict
     from omni_stream.edge.probe import load_profile, profile_summary
-    from omni_stream.models.checkpoint import read_config
-    from omni_stream.models.synthesis import resolve_model_path
+    from omni_stream.checkpoints.io import read_config
+    from omni_stream.checkpoints.default import resolve_model_path
     from omni_stream.scheduling import kv_bytes_per_token
 
     path = resolve_model_path(a.model)
@@ -188,7 +188,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def cmd_export_decoder(a: argparse.Namespace) -> int:
     from omni_stream.export.decoder import ExportError, export_program
     from omni_stream.export.manifest import ManifestError
-    from omni_stream.models.synthesis import resolve_model_path
+    from omni_stream.checkpoints.default import resolve_model_path
 
     try:
         m = export_program(resolve_model_path(a.model), a.format, a.out, max_chunk=a.max_chunk,

@@ -24,11 +24,11 @@ from typing import AsyncGenerator
 
 
 from omni_stream.config import ModelConfig
-from omni_stream.models.checkpoint import read_config
+from omni_stream.checkpoints.io import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.models.prompt import assistant_text, instruct_text
 from omni_stream.observability import stepstats
-from omni_stream.models.synthesis import cache_dir
+from omni_stream.checkpoints.default import cache_dir
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import CalibrationCache, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint

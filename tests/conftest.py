@@ -14,7 +14,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """Write (once per session) a random checkpoint: factory(preset, variant, seed, **kw)."""
-    from omni_stream.models.checkpoint import write_random_checkpoint
+    from omni_stream.checkpoints.io import write_random_checkpoint
 
     made: dict[tuple, Path] = {}
 
@@ -35,6 +35,6 @@ def tiny_ckpt(ckpt_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_ckpt):
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.checkpoints.io import load_model
 
     return load_model(tiny_ckpt, dtype=torch.float32)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omni_stream.config import ModelConfig
-from omni_stream.models.checkpoint import CheckpointError, load_model, read_config
+from omni_stream.checkpoints.io import CheckpointError, load_model, read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
 
 

@@ -19,7 +19,7 @@ import torch
 from clients.decoders import DecoderError, FrameDecoder, ProgramDecoder, TorchDecoder
 from clients.stream_client import main as client_main
 from omni_stream.cli import main as cli_main
-from omni_stream.export.decoder import snr_db
+from omni_stream.evaluation.metrics import snr_db
 from omni_stream.export.manifest import Manifest, codec_identity
 
 pytestmark = pytest.mark.timeout(600)
@@ -138,7 +138,7 @@ def test_client_decode_snr_vs_server_decoder_fp32(server, pte_manifest, tiny_ckp
     """For one greedy request, each client backend's float audio vs the server's decoder
     (Code2WavStream, fp32, the same chunks the server sent): SNR >= 80 dB, same sample count."""
     from clients.codec_stream import stream_codes
-    from omni_stream.models.checkpoint import load_codec
+    from omni_stream.checkpoints.io import load_codec
     from omni_stream.models.code2wav import Code2WavStream
 
     model = load_codec(tiny_ckpt, dtype=torch.float32).eval()

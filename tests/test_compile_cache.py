@@ -52,11 +52,11 @@ def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, 
     # each frame): a wrong compiled step would show ~0 dB and chance agreement
     import torch
 
-    from omni_stream.models.checkpoint import load_model
-    from omni_stream.models.compiled import compile_engine
-    from omni_stream.models.fidelity import teacher_forced
+    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.compiled import compile_engine
+    from omni_stream.evaluation.fidelity import teacher_forced
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.synthesis import Synthesizer
 
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(cache))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(next((cache / "compile").iterdir())))

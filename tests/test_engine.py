@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import PromptBuilder, PromptError, PromptRequest
-from omni_stream.models.sampling import SamplingParams
-from omni_stream.models.synthesis import Synthesizer
+from omni_stream.engine.sampling import SamplingParams
+from omni_stream.engine.synthesis import Synthesizer
 
 REQS = [
     PromptRequest(text="Hello world, this is a test.", language="english", speaker="ryan"),
@@ -98,7 +98,7 @@ def test_bad_requests(synth, req, msg):
 
 
 def test_voice_design_rejects_named_voice(ckpt_factory):
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.checkpoints.io import load_model
 
     m = load_model(ckpt_factory("tiny", "voice_design", 3))
     b = PromptBuilder(m.config, m.weights.talker, m.tokenizer)
@@ -116,7 +116,7 @@ def test_prompt_too_long_for_engine(tiny_model):
 
 def test_static_live_mode_matches_dynamic(tiny_model):
     """The graph-capturable mode (masked full-cache attention, no host sync) gives the same codes."""
-    from omni_stream.models.graphs import GraphedStep, padded_sizes
+    from omni_stream.engine.graphs import GraphedStep, padded_sizes
 
     params = SamplingParams()
     dyn = _run_batched(tiny_model, REQS[:2], params, [5, 6], 6)
@@ -178,7 +178,7 @@ def test_a_poisoned_row_is_invalid_and_leaves_the_others_and_its_slot_clean(synt
     row INVALID at once; the other rows' codes are bit-identical to a clean run; after
     ``scrub`` the slot serves a new stream exactly as a fresh engine would (no NaN left in its
     KV rows, which masked attention would still multiply by zero)."""
-    from omni_stream.models.sampling import INVALID
+    from omni_stream.engine.sampling import INVALID
 
     params, seeds, frames, bad_at = SamplingParams(), [11, 22, 33], 8, 3
     clean = _run_batched(tiny_model, REQS, params, seeds, frames)

@@ -19,9 +19,10 @@ import torch
 
 from omni_stream.cli import main as cli_main
 from omni_stream.export.decoder_step import DecoderStep, run_steps, state_specs
-from omni_stream.export.decoder import ExportError, export_program, snr_db
+from omni_stream.evaluation.metrics import snr_db
+from omni_stream.export.decoder import ExportError, export_program
 from omni_stream.export.manifest import Manifest, ManifestError, codec_identity, file_sha256
-from omni_stream.models.checkpoint import load_codec
+from omni_stream.checkpoints.io import load_codec
 from omni_stream.models.code2wav import Code2WavStream
 
 pytestmark = pytest.mark.timeout(300)

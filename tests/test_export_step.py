@@ -19,7 +19,7 @@ from omni_stream.edge.export.ops import NPU_OPS, OpCheckError, check_ops, lint, 
 from omni_stream.edge.export.parity import compare_logits, record_eager, replay_code_predictor, replay_talker
 from omni_stream.edge.export.runtime import OrtRunner, StepCache, StepSpec, TorchRunner
 from omni_stream.edge.export.step import DecoderStep, StepError, code_predictor_step, talker_step
-from omni_stream.models.checkpoint import load_model
+from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
 
 FRAMES = 56
@@ -79,8 +79,8 @@ def test_ort_loop_reproduces_eager_greedy_codes(export_dir, history, model, layo
     assert codes.shape == (FRAMES, 16)
     np.testing.assert_array_equal(codes, history.codes)
     # and the stopping rule of the synthesizer (eos ends the stream) on the same prompt
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     eager, _, _ = Synthesizer(model, max_seq_len=256).generate_codes(REQ, SamplingParams.greedy(), 0, FRAMES)
     np.testing.assert_array_equal(dec.generate(history.prompt, history.trailing, FRAMES), eager)

@@ -73,8 +73,8 @@ def _run(ck, placement: str) -> tuple[list[tuple[np.ndarray, dict | None]], dict
 def baseline(tiny_ckpt):
     """The run without a fault: offline synthesis, which the server's greedy codes equal."""
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     synth = Synthesizer.from_path(tiny_ckpt)
     out = [synth.generate_codes(PromptRequest(text=t, language="english", speaker="ryan"),

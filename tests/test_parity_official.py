@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from omni_stream.models.checkpoint import load_model
+from omni_stream.checkpoints.io import load_model
 from omni_stream.models.code2wav import Code2WavStream
 from omni_stream.models.prompt import PromptRequest
-from omni_stream.models.sampling import SamplingParams
-from omni_stream.models.synthesis import Synthesizer
+from omni_stream.engine.sampling import SamplingParams
+from omni_stream.engine.synthesis import Synthesizer
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("OMNI_STREAM_SKIP_REFERENCE") == "1",

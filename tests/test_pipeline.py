@@ -35,8 +35,8 @@ def _settings(ck, **kw) -> PipelineSettings:
 
 def _synth_reference(ck, text, voice, seed, max_frames):
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     s = Synthesizer.from_path(ck)
     return s.synthesize(PromptRequest(text=text, language="english", speaker=voice),
@@ -357,10 +357,10 @@ def test_int8_weight_path_serves_the_same_audio_as_offline_int8(tiny_ckpt):
     predictor): a seeded stream equals offline int8 synthesis of the same request."""
     import torch
 
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.engine.loading import load_model
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     s = Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"), max_seq_len=512)
     ref = s.synthesize(PromptRequest(text=TEXT, language="english", speaker="ryan"),
@@ -380,7 +380,7 @@ def test_int8_weight_path_serves_the_same_audio_as_offline_int8(tiny_ckpt):
         return out
 
     out = run_async(main(), timeout=300)
-    from omni_stream.models.fidelity import snr_db
+    from omni_stream.evaluation.metrics import snr_db
 
     for placement, audio in out.items():
         assert len(audio) == len(expected), placement

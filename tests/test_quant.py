@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from omni_stream.models.checkpoint import load_model
-from omni_stream.models.fidelity import snr_db, teacher_forced
+from omni_stream.engine.loading import load_model
+from omni_stream.evaluation.fidelity import teacher_forced
+from omni_stream.evaluation.metrics import snr_db
 from omni_stream.models.prompt import PromptRequest
-from omni_stream.models.quant import QuantizedLinear, quantize_codec, quantize_talker
-from omni_stream.models.synthesis import Synthesizer
+from omni_stream.engine.quant import QuantizedLinear, quantize_codec, quantize_talker
+from omni_stream.engine.synthesis import Synthesizer
 
 
 def _linear(n_out: int, n_in: int, bias: bool = False, seed: int = 0) -> nn.Linear:
@@ -57,7 +58,7 @@ def test_int4_groups_round_to_within_half_a_step_with_bias(group):
 
 def test_fused_projections_equal_separate_ones(tiny_ckpt):
     """Packing q|k|v (gate|up) into one matrix changes no output row."""
-    from omni_stream.models.quant import _fuse
+    from omni_stream.engine.quant import _fuse
 
     lins = [_linear(64, 128, seed=s) for s in range(3)]
     x = torch.randn(4, 128, dtype=torch.bfloat16)

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from omni_stream.models.frame import talker_scores
-from omni_stream.models.sampling import (INVALID, Candidates, SlotSampling, bits_to_uniform,
+from omni_stream.engine.frame import talker_scores
+from omni_stream.engine.sampling import (INVALID, Candidates, SlotSampling, bits_to_uniform,
                                          candidates_needed, filter_candidates, greedy_pick,
                                          gumbel, sample, select, uniform_noise)
 

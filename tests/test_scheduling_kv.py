@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from omni_stream.config import ConfigError, ModelConfig
-from omni_stream.models.presets import codec_config_dict, model_config_dict
+from omni_stream.checkpoints.presets import codec_config_dict, model_config_dict
 from omni_stream.scheduling.kv_budget import (FULL, SLIDING, KVBudget, KVGeometry,
                                               code_predictor_scratch_bytes, dtype_nbytes,
                                               kv_budget_for, kv_bytes_per_token, kv_geometry,

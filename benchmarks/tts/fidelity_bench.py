@@ -21,10 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from omni_stream.models.checkpoint import load_model  # noqa: E402
+from omni_stream.checkpoints.io import load_model  # noqa: E402
 from omni_stream.models.prompt import PromptRequest  # noqa: E402
-from omni_stream.models.sampling import SamplingParams  # noqa: E402
-from omni_stream.models.synthesis import Synthesizer  # noqa: E402
+from omni_stream.engine.sampling import SamplingParams  # noqa: E402
+from omni_stream.engine.synthesis import Synthesizer  # noqa: E402
 
 PROMPTS = ["Hello world, this is a fidelity check of the fast paths.",
            "Good morning! Numbers like 42 are spoken digit by digit."]

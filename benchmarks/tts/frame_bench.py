@@ -53,11 +53,11 @@ def worker(args: argparse.Namespace) -> dict:
     """Run in a child process: time omni-stream's phases for one (dtype, threads)."""
     import torch
 
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.checkpoints.io import load_model
     from omni_stream.models.code2wav import Code2WavStream
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

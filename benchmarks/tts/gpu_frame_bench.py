@@ -48,10 +48,10 @@ def bench_mode(model, graphs: bool, streams: list[int], args: argparse.Namespace
     """Time runner.step(S) for every S in ``streams`` with one engine of max(streams) slots."""
     import torch
 
-    from omni_stream.models.frame import EngineShape, FrameEngine
-    from omni_stream.models.graphs import GraphedStep
+    from omni_stream.engine.frame import EngineShape, FrameEngine
+    from omni_stream.engine.graphs import GraphedStep
     from omni_stream.models.prompt import PromptBuilder, PromptRequest
-    from omni_stream.models.sampling import SamplingParams
+    from omni_stream.engine.sampling import SamplingParams
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.checkpoints.io import load_model
 
     streams = sorted({int(x) for x in args.streams.split(",") if x.strip()})
     if not streams or streams[0] < 1 or args.frames < 1 or args.warmup < 0:

@@ -53,7 +53,7 @@ WARM_FRAMES = 4
 
 def _voice(model_dir: Path) -> tuple[str, str | None, str | None]:
     """(variant, speaker, instruct) for the checkpoint: ryan if it has that speaker."""
-    from omni_stream.models.checkpoint import read_config
+    from omni_stream.checkpoints.io import read_config
 
     cfg = read_config(model_dir)
     speakers = sorted(cfg.talker.speakers)
@@ -108,11 +108,11 @@ def run_ours(model: Path, texts: list[str], frames: int, dtype: str, threads: in
     """Per text id: frames, generate_s, ms_per_frame, decode (one pass, streaming) per frame."""
     import torch
 
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.checkpoints.io import load_model
     from omni_stream.models.code2wav import Code2WavStream
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(threads)
     m = load_model(model, dtype=getattr(torch, dtype))

@@ -36,12 +36,12 @@ def speed_worker(a: argparse.Namespace) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.engine.loading import load_model
     from omni_stream.models.code2wav import Code2WavStream
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.quant import QUANTIZED, weight_bytes
-    from omni_stream.models.sampling import SamplingParams
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.quant import QUANTIZED, weight_bytes
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def speed_worker(a: argparse.Namespace) -> dict:
     eng = s.engine
     compile_s = None
     if a.compile:
-        from omni_stream.models.compiled import compile_engine, warm_up
+        from omni_stream.engine.compiled import compile_engine, warm_up
 
         compile_engine(eng)
         compile_s = warm_up(eng)
@@ -95,11 +95,12 @@ def fidelity(model: str, paths: list[str], frames: int, threads: int) -> list[di
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from omni_stream.models.checkpoint import load_model
-    from omni_stream.models.fidelity import snr_db, teacher_forced
+    from omni_stream.engine.loading import load_model
+    from omni_stream.evaluation.fidelity import teacher_forced
+    from omni_stream.evaluation.metrics import snr_db
     from omni_stream.models.prompt import PromptRequest
-    from omni_stream.models.quant import quantize_codec
-    from omni_stream.models.synthesis import Synthesizer
+    from omni_stream.engine.quant import quantize_codec
+    from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(threads)
     ref = Synthesizer(load_model(model, dtype=torch.bfloat16), max_seq_len=512)

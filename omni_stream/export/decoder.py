@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -28,6 +27,7 @@ import torch
 from omni_stream.export.decoder_step import DecoderStep, initial_state, state_specs
 from omni_stream.export.manifest import FORMATS, Manifest, codec_identity, file_sha256
 from omni_stream.export.runtime import load_program
+from omni_stream.evaluation.metrics import snr_db
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
     if fmt == "pte":
         _require_executorch()
     out.mkdir(parents=True, exist_ok=True)
-    from omni_stream.models.checkpoint import load_codec
+    from omni_stream.checkpoints.io import load_codec
 
     stages = ["load codec", "trace (torch.export)", _lower_label(fmt), "verify", "manifest"]
     with _Progress(stages, enabled=progress) as bar:
@@ -156,12 +156,6 @@ def verify(model, program: Callable, max_chunk: int, seed: int = 0) -> dict:
         raise ExportError(f"exported decoder does not match the eager decoder (SNR {snr:.1f} dB "
                           "< 80 dB): report this with the torch/executorch versions")
     return res
-
-
-def snr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    noise = float(((got.double() - ref.double()) ** 2).sum())
-    signal = float((ref.double() ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-30) / noise)
 
 
 def _lower_label(fmt: str) -> str:

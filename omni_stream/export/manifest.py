@@ -68,7 +68,7 @@ def codec_identity(model_dir: str | Path) -> CodecIdentity:
     Reads every decoder weight once (~0.5 GB for the released codec: about a second)."""
     from safetensors import safe_open
 
-    from omni_stream.models.checkpoint import _weight_files, read_config
+    from omni_stream.checkpoints.io import _weight_files, read_config
 
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)

@@ -1,7 +1,7 @@
 """Talker LM and code predictor, with parameter names equal to the released checkpoint keys.
 
 ``Qwen3TTSTalkerModel`` holds exactly the ``talker.*`` tensors of a checkpoint. The per-frame
-work (code predictor sub-steps, talker step) lives in ``omni_stream.models.frame``; this file is
+work (code predictor sub-steps, talker step) lives in ``omni_stream.engine.frame``; this file is
 only the weights and the small pure functions over them.
 """
 

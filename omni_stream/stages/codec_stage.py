@@ -247,7 +247,7 @@ class CodecStage:
 def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     """Process entry point: consume ``frames``, produce ``audio``."""
     start_stage("codec", spec)
-    from omni_stream.models.checkpoint import load_codec
+    from omni_stream.checkpoints.io import load_codec
 
     inp = frames_handle.open()
     out = audio_handle.open()

@@ -19,8 +19,8 @@ import logging
 import numpy as np
 import torch
 
-from omni_stream.models.frame import EngineShape, FrameEngine
-from omni_stream.models.sampling import INVALID
+from omni_stream.engine.frame import EngineShape, FrameEngine
+from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
 from omni_stream.stages.proc import start_stage
@@ -103,7 +103,7 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
     start_stage("cp", spec)
     import os
 
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.engine.loading import load_model
 
     inp, out = in_handle.open(), out_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
@@ -111,7 +111,7 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
     engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,
                                                            max_trailing=1), device=spec.device)
     if spec.compile:
-        from omni_stream.models.compiled import compile_engine, warm_up
+        from omni_stream.engine.compiled import compile_engine, warm_up
 
         compile_engine(engine)
         warm_up(engine, code_predictor_only=True)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_stream.models.checkpoint import LoadedModel
-from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.checkpoints.io import LoadedModel
+from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import Prompt, PromptBuilder, PromptRequest
-from omni_stream.models.sampling import INVALID, SamplingParams
+from omni_stream.engine.sampling import INVALID, SamplingParams
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
                                             RunningStream, decide_prefill, slack_s)
@@ -130,7 +130,7 @@ class TalkerStage:
 
     def enable_graphs(self) -> None:
         """Capture the frame step as CUDA graphs (one per padded batch size)."""
-        from omni_stream.models.graphs import GraphedStep
+        from omni_stream.engine.graphs import GraphedStep
 
         self._step = GraphedStep(self.engine, enabled=True).step
 
@@ -348,7 +348,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
     placement: the code predictor runs in its own stage process."""
     start_stage("talker", spec)
-    from omni_stream.models.checkpoint import load_model
+    from omni_stream.engine.loading import load_model
 
     out = frames_handle.open()
     model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
@@ -357,7 +357,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                         out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle),
                         faults=FaultPlan.from_env())
     if spec.compile:
-        from omni_stream.models.compiled import compile_engine, warm_up
+        from omni_stream.engine.compiled import compile_engine, warm_up
 
         compile_engine(stage.engine)
         warm_up(stage.engine)

@@ -55,7 +55,7 @@ def cmd_export_step(a: argparse.Namespace) -> int:
         import torch
 
         from omni_stream.edge.export.quantize import calibration_feeds, quantize_step
-        from omni_stream.models.checkpoint import load_model
+        from omni_stream.checkpoints.io import load_model
 
         model = load_model(a.model, dtype=torch.float32)
         for lay in layouts:

@@ -31,7 +31,7 @@ class Code2WavStep(nn.Module):
 
         if not isinstance(model, Code2Wav):
             raise StepError(f"code2wav: expected a Code2Wav module, got {type(model).__name__}; "
-                            "load it with omni_stream.models.checkpoint.load_codec")
+                            "load it with omni_stream.checkpoints.io.load_codec")
         cfg = model.cfg
         layers = model.pre_transformer.layers
         if len(layers) != cfg.num_hidden_layers or len(layers) == 0:

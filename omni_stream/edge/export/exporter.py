@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -128,7 +127,7 @@ def read_loop_files(out: Path) -> tuple[Tables, LoopConfig]:
 def export_step(model_dir: str | Path, part: str, context: int, out_dir: str | Path,
                 layouts: tuple[str, ...] = LAYOUTS) -> list[ExportResult]:
     """Load a checkpoint (fp32) and export ``part``'s decode step in each of ``layouts``."""
-    from omni_stream.models.checkpoint import load_codec, load_model
+    from omni_stream.checkpoints.io import load_codec, load_model
 
     if part not in PARTS:
         raise StepError(f"unsupported part '{part}': expected one of {', '.join(PARTS)}")
@@ -168,11 +167,3 @@ def load_decoder(export_dir: str | Path, layout: str, threads: int = 1, suffix: 
         parts[part] = (OrtRunner(g, threads), StepSpec.from_json(d / f"{part}-{layout}.json"))
     tables, loop = read_loop_files(d)
     return StepDecoder(*parts["talker"], *parts["code_predictor"], tables, loop)
-
-
-def np_snr_db(ref: np.ndarray, test: np.ndarray) -> float:
-    """Signal-to-noise ratio of ``test`` against ``ref`` in dB (inf when identical)."""
-    ref = np.asarray(ref, np.float64)
-    err = np.asarray(test, np.float64) - ref
-    e = float((err ** 2).sum())
-    return float("inf") if e == 0 else 10.0 * np.log10(float((ref ** 2).sum()) / e)

@@ -36,9 +36,9 @@ class EagerHistory:
 def record_eager(model, req, frames: int, seed: int = 0) -> EagerHistory:
     """Greedy-decode ``frames`` frames of ``req`` with the frame engine (eos ignored, so the
     history has exactly ``frames`` frames) and record every step's inputs and logits."""
-    from omni_stream.models.frame import EngineShape, FrameEngine
+    from omni_stream.engine.frame import EngineShape, FrameEngine
     from omni_stream.models.prompt import PromptBuilder
-    from omni_stream.models.sampling import SamplingParams
+    from omni_stream.engine.sampling import SamplingParams
 
     talker = model.weights.talker
     builder = PromptBuilder(model.config, talker, model.tokenizer)
@@ -101,12 +101,12 @@ def replay_code_predictor(runner: StepRunner, spec: StepSpec, hist: EagerHistory
 
 def compare_logits(ref: np.ndarray, test: np.ndarray, k: int = 5) -> dict[str, float]:
     """SNR (dB) over all logits, and per-row top-1 and top-k (as a set) agreement."""
-    from omni_stream.edge.export.exporter import np_snr_db
+    from omni_stream.evaluation.metrics import snr_db
 
     ref = ref.reshape(-1, ref.shape[-1])
     test = test.reshape(-1, test.shape[-1])
     top1 = float(np.mean(ref.argmax(-1) == test.argmax(-1)))
     rk = np.sort(np.argsort(-ref, axis=-1)[:, :k], axis=-1)
     tk = np.sort(np.argsort(-test, axis=-1)[:, :k], axis=-1)
-    return {"rows": int(ref.shape[0]), "snr_db": np_snr_db(ref, test), "top1": top1,
+    return {"rows": int(ref.shape[0]), "snr_db": snr_db(ref, test), "top1": top1,
             f"top{k}": float(np.mean(np.all(rk == tk, axis=-1)))}

@@ -48,7 +48,7 @@ def check_stack(stack: nn.Module, where: str) -> None:
     """Fail clearly when ``stack`` is not a Qwen3 decoder stack with the layers we export."""
     if not isinstance(stack, DecoderStack):
         raise StepError(f"{where}: expected a decoder stack (omni_stream.models.layers.DecoderStack), "
-                        f"got {type(stack).__name__}; load the checkpoint with omni_stream.models.checkpoint.load_model")
+                        f"got {type(stack).__name__}; load the checkpoint with omni_stream.checkpoints.io.load_model")
     layers = getattr(stack, "layers", None)
     if layers is None or len(layers) == 0:
         raise StepError(f"{where}: the model has no decoder layers; check the checkpoint's num_hidden_layers")

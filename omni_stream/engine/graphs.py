@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from omni_stream.models.frame import FrameEngine
+from omni_stream.engine.frame import FrameEngine
 
 log = logging.getLogger(__name__)
 

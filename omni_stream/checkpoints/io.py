@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omni_stream.config import ConfigError, ModelConfig
-from omni_stream.models import presets
+from omni_stream.checkpoints import presets
 from omni_stream.models.code2wav import Code2Wav, random_code2wav_state_dict
 from omni_stream.models.talker import Qwen3TTSWeights
 from omni_stream.models.text_tokenizer import TextTokenizer, write_random_tokenizer
@@ -127,22 +127,10 @@ def build_main_module(cfg: ModelConfig) -> Qwen3TTSWeights:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", weight_path: str | None = None) -> LoadedModel:
-    """Load a checkpoint folder (released layout) strictly.
-
-    ``weight_path`` int8/int4 packs the talker's and code predictor's linear weights for the CPU
-    low-bit kernels (``models.quant``); those paths compute in bf16, so ``dtype`` must be
-    bfloat16. None/bf16/fp32 keep the weights in ``dtype``. Code2Wav stays in ``dtype``: it is
-    compute-bound (no speed to gain) and its weights shape the waveform directly (int8 costs
-    ~25 dB of SNR; benchmarks/tts/weight_path_bench.py)."""
-    from omni_stream.models import quant
-
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Load a checkpoint folder (released layout) strictly, every weight in ``dtype``. (The
+    engine's low-bit weight paths are applied on top by ``engine.loading.load_model``.)"""
     path = Path(path)
-    if weight_path is not None:
-        quant.check_supported(weight_path, device)
-        if weight_path in quant.QUANTIZED and dtype != torch.bfloat16:
-            raise ValueError(f"weight path {weight_path} computes in bf16: load with dtype "
-                             f"bfloat16 (--dtype bf16), not {str(dtype).replace('torch.', '')}")
     cfg = read_config(path)
     tokenizer = TextTokenizer.from_dir(path)
     gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
@@ -152,8 +140,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     assign_strict(weights, main, dtype, f"{path}/model.safetensors")
     weights.eval().to(device)
     c2w = load_codec(path, dtype, device, cfg)
-    if weight_path in quant.QUANTIZED:
-        quant.quantize_talker(weights.talker, weight_path)
     return LoadedModel(cfg, weights, c2w, tokenizer, path, gen)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from omni_stream.config import TalkerConfig
 from omni_stream.models.layers import new_caches, rope_tables
-from omni_stream.models.sampling import (INVALID, SamplingParams, SlotSampling, apply_repetition_penalty,
+from omni_stream.engine.sampling import (INVALID, SamplingParams, SlotSampling, apply_repetition_penalty,
                                          candidates_needed, sample)
 from omni_stream.models.talker import Talker
 
@@ -107,7 +107,7 @@ class FrameEngine:
         self._cp_pos0 = torch.tensor([[0, 1]], device=dev).expand(s, 2)
         self._cp_pos = [torch.full((s, 1), j, dtype=torch.int64, device=dev) for j in range(g + 1)]
         # static_live: attend over the whole cache with a mask instead of slicing to the live
-        # length (no host sync: required for CUDA-graph capture; see omni_stream.models.graphs)
+        # length (no host sync: required for CUDA-graph capture; see omni_stream.engine.graphs)
         self.static_live = False
         # where codes 1..G-1 come from: this process (default) or a remote code-predictor
         # stage (omni_stream.stages.cp_stage.RemoteResidual); same contract as _predict_residual

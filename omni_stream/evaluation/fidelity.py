@@ -21,20 +21,8 @@ import torch
 
 from omni_stream.config import SamplingParams
 from omni_stream.models.prompt import PromptRequest
-from omni_stream.models.synthesis import Synthesizer
-
-
-def snr_db(ref: torch.Tensor | np.ndarray, test: torch.Tensor | np.ndarray) -> float:
-    """10 log10(|ref|^2 / |ref - test|^2); inf when identical."""
-    r = torch.as_tensor(ref).detach().double().reshape(-1)
-    t = torch.as_tensor(test).detach().double().reshape(-1)
-    if r.shape != t.shape:
-        raise ValueError(f"SNR needs equal shapes, got {tuple(r.shape)} and {tuple(t.shape)}")
-    noise = float(((r - t) ** 2).sum())
-    sig = float((r ** 2).sum())
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(max(sig, 1e-30) / noise)
+from omni_stream.engine.synthesis import Synthesizer
+from omni_stream.evaluation.metrics import snr_db
 
 
 @dataclass

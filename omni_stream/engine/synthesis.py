@@ -7,46 +7,20 @@ these codes and samples for the same seeded request.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from omni_stream.models.checkpoint import LoadedModel, load_model, write_random_checkpoint
-from omni_stream.models.frame import EngineShape, FrameEngine
+from omni_stream.checkpoints.default import resolve_model_path
+from omni_stream.checkpoints.io import LoadedModel
+from omni_stream.engine.loading import load_model
+from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
-from omni_stream.models.sampling import SamplingParams
+from omni_stream.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "default"
-DEFAULT_MODEL_VERSION = "tiny-custom_voice-seed0-v1"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_STREAM_CACHE_DIR", Path.home() / ".cache" / "omni-stream"))
-
-
-def resolve_model_path(model: str | Path) -> Path:
-    """``default`` -> the embedded tiny random checkpoint (written on first use), else a folder."""
-    if str(model) != DEFAULT_MODEL_NAME:
-        return Path(model)
-    path = cache_dir() / "models" / DEFAULT_MODEL_VERSION
-    marker = path / ".complete"
-    if not marker.is_file():
-        import fcntl
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{DEFAULT_MODEL_VERSION}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not marker.is_file():
-                log.info("writing the embedded default model to %s", path)
-                write_random_checkpoint(path, "tiny", "custom_voice", seed=0)
-                marker.write_text("ok\n")
-    return path
-
 
 @dataclass
 class SynthesisResult:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from omni_stream.models.synthesis import cache_dir
+from omni_stream.checkpoints.default import cache_dir
 
 log = logging.getLogger(__name__)
 

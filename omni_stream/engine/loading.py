@@ -1,0 +1,31 @@
+"""A checkpoint loaded for the engine: exact weights, then the chosen weight path on top."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omni_stream.checkpoints import io
+from omni_stream.checkpoints.io import LoadedModel
+from omni_stream.engine import quant
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", weight_path: str | None = None) -> LoadedModel:
+    """Load a checkpoint folder strictly (``checkpoints.io.load_model``).
+
+    ``weight_path`` int8/int4 packs the talker's and code predictor's linear weights for the CPU
+    low-bit kernels (``engine.quant``); those paths compute in bf16, so ``dtype`` must be
+    bfloat16. None/bf16/fp32 keep the weights in ``dtype``. Code2Wav stays in ``dtype``: it is
+    compute-bound (no speed to gain) and its weights shape the waveform directly (int8 costs
+    ~25 dB of SNR; benchmarks/tts/weight_path_bench.py)."""
+    if weight_path is not None:
+        quant.check_supported(weight_path, device)
+        if weight_path in quant.QUANTIZED and dtype != torch.bfloat16:
+            raise ValueError(f"weight path {weight_path} computes in bf16: load with dtype "
+                             f"bfloat16 (--dtype bf16), not {str(dtype).replace('torch.', '')}")
+    model = io.load_model(path, dtype, device)
+    if weight_path in quant.QUANTIZED:
+        quant.quantize_talker(model.weights.talker, weight_path)
+    return model
