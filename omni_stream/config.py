@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import msgspec
+
 VARIANTS = ("custom_voice", "voice_design", "base")
 
 
@@ -308,10 +310,10 @@ WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
 LOW_BIT_WEIGHT_PATHS = ("int8", "int4")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings (defaults are the official ones). Torch-free, so the
-    control messages between processes validate with the same rules."""
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-request sampling settings (defaults are the official ones). A frozen msgspec struct,
+    torch-free, so the engine and the control messages between processes (``AddStream``) use
+    this one type: decoding a message runs the same ``__post_init__`` checks."""
 
     do_sample: bool = True
     temperature: float = 0.9
