@@ -129,7 +129,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
     from omni_stream.edge.adapt import format_profile
     from omni_stream.checkpoints.default import resolve_model_path
     from omni_stream.orchestrator import PipelineSettings
-    from omni_stream.stages.schedule import ChunkSchedule
+    from omni_stream.scheduling.chunking import ChunkPolicy
 
     path = resolve_model_path(a.model)
     prof, sources = effective_profile(a, path, hw)
@@ -138,7 +138,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
         model_path=str(path), model_name=a.model_name or ("qwen3-tts" if a.model == "default" else path.name),
         dtype=prof.dtype, device=prof.device, max_streams=prof.max_streams, max_queue=a.max_queue,
         queue_timeout_s=prof.queue_timeout_s, max_seq_len=prof.max_seq_len,
-        schedule=ChunkSchedule(first=prof.first_chunk, steady=prof.steady_chunk),
+        schedule=ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk),
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement,
         weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,

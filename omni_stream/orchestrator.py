@@ -23,24 +23,23 @@ from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
 
-from omni_stream.config import ModelConfig
+from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.checkpoints.io import read_config
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.models.prompt import assistant_text, instruct_text
 from omni_stream.observability import stepstats
 from omni_stream.checkpoints.default import cache_dir
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
-from omni_stream.scheduling.chunking import CalibrationCache, calibrate
+from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.scheduling.limits import FrameCap, stream_frame_cap
 from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
-from omni_stream.stages.schedule import ChunkSchedule
 from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
-                                   FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
-                                   cleanup_stale)
+                                   FailReason, Flags, MsgKind, PromptSpec, Ring, Shutdown,
+                                   StatsReply, cleanup_stale)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class PipelineSettings:
     queue_timeout_s: float = 10.0
     default_max_frames: int = 1500  # 120 s of audio: the ceiling of the default frame cap
     frame_cap: FrameCap = field(default_factory=FrameCap)  # default cap that follows the text
-    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+    schedule: ChunkPolicy = field(default_factory=ChunkPolicy)  # audio chunk sizes per stream
     talker_threads: int = 1
     codec_threads: int = 1
     device: str = "cpu"
@@ -265,8 +264,9 @@ class PipelineBackend:
                                        max_overtakes=self.s.max_overtakes)
         log.info("KV budget: %s", self.kv.describe())
         cached = self._calibration.load()
-        if cached is not None and self.s.schedule == ChunkSchedule():
-            self.schedule = cached.to_schedule()
+        if cached is not None and self.s.schedule == ChunkPolicy():
+            self.schedule = ChunkPolicy(first=cached.first, steady=cached.steady,
+                                        growth=cached.growth)
             self._calibrated = True
             log.info("chunk schedule from calibration cache %s: %s", self._calibration.path,
                      cached.to_dict())
@@ -332,17 +332,16 @@ class PipelineBackend:
         try:
             if pipe is None:
                 raise BackendError(503, "unavailable", "the model pipeline is restarting", retry_after=2)
-            sched = self.schedule
+            chunk = self.schedule
             if job.initial_chunk_frames:
-                sched = ChunkSchedule(first=job.initial_chunk_frames, growth=sched.growth,
-                                      steady=max(sched.steady, job.initial_chunk_frames))
+                chunk = chunk.starting_at(job.initial_chunk_frames)
             seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
-            greedy = job.greedy
-            msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames,
-                            do_sample=not greedy, sub_do_sample=not greedy,
-                            prompt=dict(text=job.text, language=job.language, speaker=job.voice,
-                                        instructions=job.instructions if self.supports_instructions else None,
-                                        chunk=sched.as_list(), stream_codes=job.stream_codes))
+            instructions = job.instructions if self.supports_instructions else None
+            msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames, chunk=chunk,
+                            prompt=PromptSpec(text=job.text, language=job.language,
+                                              speaker=job.voice, instructions=instructions),
+                            sampling=SamplingParams.greedy() if job.greedy else SamplingParams(),
+                            stream_codes=job.stream_codes)
             with stepstats.phase("server.dispatch"):
                 pipe.send(msg)
             total = 0

@@ -19,7 +19,7 @@ import pytest
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
 from omni_stream.server.testing import run_async, running_server
 from omni_stream.stages.faults import FAULTS_ENV, FaultPlan
-from omni_stream.stages.schedule import ChunkSchedule
+from omni_stream.scheduling.chunking import ChunkPolicy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -57,7 +57,7 @@ def _run(ck, placement: str) -> tuple[list[tuple[np.ndarray, dict | None]], dict
     async def main():
         backend = PipelineBackend(PipelineSettings(
             model_path=str(ck), max_streams=4, max_seq_len=256, queue_timeout_s=60,
-            schedule=ChunkSchedule(first=1, steady=4), placement=placement))
+            schedule=ChunkPolicy(first=1, steady=4), placement=placement))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             out = await asyncio.gather(*[_ws_codes(s, url, t) for t in TEXTS])
             for _ in range(50):  # cancellations of failed streams settle within a frame or two

@@ -16,7 +16,7 @@ import pytest
 
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
 from omni_stream.server.testing import run_async, running_server
-from omni_stream.stages.schedule import ChunkSchedule
+from omni_stream.scheduling.chunking import ChunkPolicy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,7 +58,7 @@ def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny
         backend = PipelineBackend(PipelineSettings(
             model_path=str(tiny_ckpt), max_streams=1, max_queue=1,
             queue_timeout_s=QUEUE_TIMEOUT_S, max_seq_len=512,
-            schedule=ChunkSchedule(first=1, steady=4)))
+            schedule=ChunkPolicy(first=1, steady=4)))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/audio/speech", json=LONG) as r:
                 assert r.status == 200

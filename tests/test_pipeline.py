@@ -15,7 +15,7 @@ import pytest
 
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
 from omni_stream.server.testing import running_server, run_async
-from omni_stream.stages.schedule import ChunkSchedule
+from omni_stream.scheduling.chunking import ChunkPolicy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,7 +28,7 @@ def _shm_segments(prefix: str = "omni-stream-") -> set[str]:
 
 def _settings(ck, **kw) -> PipelineSettings:
     base = dict(model_path=str(ck), max_streams=4, max_seq_len=512, max_queue=16,
-                queue_timeout_s=60, schedule=ChunkSchedule(first=1, steady=4))
+                queue_timeout_s=60, schedule=ChunkPolicy(first=1, steady=4))
     base.update(kw)
     return PipelineSettings(**base)
 
@@ -269,7 +269,7 @@ def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
 
     async def serve_once():
-        backend = PipelineBackend(_settings(tiny_ckpt, schedule=ChunkSchedule()))
+        backend = PipelineBackend(_settings(tiny_ckpt, schedule=ChunkPolicy()))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             st, _, data = await _speech(s, url, input=TEXT, response_format="pcm", seed=3,
                                         max_new_tokens=40)
@@ -281,10 +281,9 @@ def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     assert first == 1 and len(files) == 1
     cached = json.loads(files[0].read_text())
     second, sched1 = run_async(serve_once(), timeout=300)
-    assert second == 1 and sched0 == ChunkSchedule()
-    from omni_stream.scheduling.chunking import ChunkPolicy
-
-    assert sched1 == ChunkPolicy.from_dict(cached["policy"]).to_schedule()
+    assert second == 1 and sched0 == ChunkPolicy()
+    fit = ChunkPolicy.from_dict(cached["policy"])
+    assert sched1 == ChunkPolicy(first=fit.first, steady=fit.steady, growth=fit.growth)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "group-term"])

@@ -11,7 +11,6 @@ import pytest
 from omni_stream.scheduling.chunking import (CalibrationCache, ChunkPolicy, calibrate,
                                              fit_chunk_costs)
 from omni_stream.scheduling.fingerprint import fingerprint_info, hardware_fingerprint
-from omni_stream.stages.schedule import ChunkSchedule
 
 
 def test_ramp_starts_small_and_grows_at_most_x2_to_steady():
@@ -64,11 +63,39 @@ def test_first_chunk_is_the_first_size_whatever_the_slack():
     assert p.next_chunk(0, slack_s=0.0, frame_time_s=1.0, decode_ms_per_frame=100.0) == 2
 
 
-def test_to_schedule_matches_the_stage_schedule():
-    p = ChunkPolicy(first=1, steady=8, growth=2.0)
-    s = p.to_schedule()
-    assert isinstance(s, ChunkSchedule)
-    assert [s.size(i) for i in range(6)] == [p.ramp(i) for i in range(6)]
+@pytest.mark.parametrize("growth", [2.0001, 2.5, 3.0, 4.0, float("inf"), float("nan")])
+def test_any_growth_above_x2_is_refused(growth):
+    with pytest.raises(ValueError, match="growth"):
+        ChunkPolicy(growth=growth)
+
+
+def test_one_growth_rule_for_every_growth_and_start():
+    """``grow`` is the only ramp: x growth, at least +1, at most x2 and steady; ``ramp`` and
+    ``starting_at`` (a request's first chunk) follow it."""
+    for growth in (1.0, 1.25, 1.5, 2.0):
+        for first in (1, 2, 3, 5):
+            p = ChunkPolicy(first=first, steady=16, growth=growth)
+            sizes = [p.ramp(i) for i in range(20)]
+            assert sizes[0] == first and sizes[-1] == 16
+            for a, b in zip(sizes, sizes[1:]):
+                assert b == min(16, 2 * a, max(a + 1, int(a * growth)))
+    q = ChunkPolicy(first=1, steady=4).starting_at(6)
+    assert (q.first, q.steady, q.growth) == (6, 6, 2.0)
+    assert ChunkPolicy(first=1, steady=8).starting_at(3) == ChunkPolicy(first=3, steady=8)
+
+
+def test_policy_is_a_frozen_msgspec_struct_that_validates_on_decode():
+    import msgspec
+
+    p = ChunkPolicy(first=2, steady=6, growth=1.5, min_slack_s=0.2)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=ChunkPolicy) == p
+    assert ChunkPolicy.from_dict(p.to_dict()) == p and hash(p) == hash(ChunkPolicy.from_dict(p.to_dict()))
+    with pytest.raises(AttributeError):
+        p.first = 3  # type: ignore[misc]
+    with pytest.raises(msgspec.ValidationError, match="growth"):
+        msgspec.json.decode(b'{"growth": 3.0}', type=ChunkPolicy)
+    with pytest.raises(msgspec.ValidationError, match="first"):
+        msgspec.json.decode(b'{"first": "one"}', type=ChunkPolicy)
 
 
 def synthetic_arrivals(sizes, per_chunk_s, per_frame_s, t0=1.0, jitter=0.0, seed=0):

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from omni_stream.server.app import create_app
 from omni_stream.server.audio import supported_formats, to_s16le
-from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
+from omni_stream.scheduling.chunking import ChunkPolicy
+from omni_stream.server.fake_backend import FakeBackend, chunk_sizes, expected_frames, fake_audio
 from omni_stream.server.metrics import observe_step
 from omni_stream.server.testing import post_speech as post
 from omni_stream.server.testing import run_async as arun
@@ -209,6 +210,32 @@ def test_extensions_reach_the_job():
                 job.greedy, job.instructions) == ("serena", "english", 11, 5, 2, True, "calm")
 
     arun(main())
+
+
+def test_fake_backend_chunks_follow_the_one_ramp():
+    """FakeBackend cuts its chunks with ChunkPolicy.ramp (the real stages' growth rule), the
+    request's first chunk via starting_at, the last chunk cut to what is left."""
+    assert chunk_sizes(20, ChunkPolicy(first=1, steady=8)) == [1, 2, 4, 8, 5]
+    assert chunk_sizes(20, ChunkPolicy(first=1, steady=8).starting_at(3)) == [3, 6, 8, 3]
+    assert chunk_sizes(7, ChunkPolicy(first=1, steady=4).starting_at(6)) == [6, 1]
+    p = ChunkPolicy(first=2, steady=8, growth=1.5)
+    assert chunk_sizes(40, p)[:5] == [p.ramp(i) for i in range(5)] == [2, 3, 4, 6, 8]
+
+    async def main():
+        backend = FakeBackend(steady_chunk_frames=4)
+        got = [c.frames async for c in backend_stream(backend, TEXT, initial_chunk_frames=2)]
+        return got
+
+    async def backend_stream(backend, text, **kw):
+        from omni_stream.server.backend import SpeechJob
+
+        await backend.start()
+        async for chunk in backend.stream(SpeechJob(text=text, request_id="r", **kw)):
+            yield chunk
+
+    frames = arun(main())
+    assert frames[:-1] == chunk_sizes(expected_frames(TEXT), ChunkPolicy(first=2, steady=4))
+    assert frames[-1] == 0  # the final (empty) chunk
 
 
 def test_openai_voice_aliases_map_in_documented_order():

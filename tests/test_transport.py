@@ -13,9 +13,12 @@ import msgspec
 import numpy as np
 import pytest
 
+from omni_stream.config import SamplingParams
+from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel, Flags,
-                                   MsgKind, Ring, SegmentRegistry, Shutdown, StageError,
-                                   StatsReply, StatsRequest, cleanup_stale, decode, encode)
+                                   MsgKind, PromptSpec, Ring, SegmentRegistry, Shutdown,
+                                   StageError, StatsReply, StatsRequest, StreamStart,
+                                   cleanup_stale, decode, encode)
 from omni_stream.transport.shm import default_shm_dir
 
 pytestmark = pytest.mark.timeout(120)
@@ -417,20 +420,49 @@ def test_cleanup_stale_removes_dead_owners_only(registry):
 
 # -- control messages ------------------------------------------------------------------------
 def test_control_messages_roundtrip_and_validation():
-    msgs = [AddStream(5, {"text": "hello", "language": "auto", "ids": [1, 2], "x": None},
-                      seed=7, max_frames=100, temperature=0.7, sub_top_k=0),
+    msgs = [AddStream(5, PromptSpec("hello", "english", speaker="ryan", stream_text=True),
+                      SamplingParams(temperature=0.7, sub_top_k=0), ChunkPolicy(first=2, steady=6),
+                      seed=7, max_frames=100, stream_codes=True),
+            AddStream(6),
             CancelStream(5, "client gone"), StatsRequest(3),
             StatsReply("talker", 123, 3, {"steps": 10, "ms": 1.5}),
             Shutdown("bye", drain=True), StageError("code2wav", "oom", [1, 2], fatal=True)]
     for m in msgs:
         assert decode(encode(m)) == m
-    assert msgs[0].sampling()["temperature"] == 0.7
+    assert msgs[0].sampling.temperature == 0.7 and msgs[0].chunk.steady == 6
+    assert msgs[1].sampling == SamplingParams() and msgs[1].chunk == ChunkPolicy()
     with pytest.raises(ValueError, match="top_p"):
-        AddStream(1, top_p=0.0)
+        AddStream(1, sampling=SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="max_frames"):
         decode(msgspec.msgpack.encode({"type": "add_stream", "stream_id": 1, "max_frames": 0}))
     with pytest.raises(ValueError):
         decode(b"\x81\xa4type\xa4nope")
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"sampling": {"top_p": 0.0}}, r"top_p.*\$\.sampling"),
+    ({"sampling": {"temperature": "hot"}}, r"\$\.sampling\.temperature"),
+    ({"sampling": {"topp": 1.0}}, r"unknown field `topp`.*\$\.sampling"),
+    ({"chunk": {"growth": 3.0}}, r"growth.*\$\.chunk"),
+    ({"chunk": {"first": 4, "steady": 2}}, r"first.*\$\.chunk"),
+    ({"prompt": {"text": 3}}, r"\$\.prompt\.text"),
+    ({"do_sample": False}, r"unknown field `do_sample`"),  # the old flat fields are gone
+])
+def test_add_stream_decode_names_the_bad_field(body, named):
+    with pytest.raises(msgspec.ValidationError, match=named):
+        decode(msgspec.msgpack.encode({"type": "add_stream", "stream_id": 1, **body}))
+
+
+def test_stream_start_travels_as_msgpack_bytes():
+    s = StreamStart(ChunkPolicy(first=1, steady=4, growth=1.5), codes_only=True, input_tokens=9)
+    payload = s.to_payload()
+    assert payload.dtype == np.uint8 and payload.ndim == 1
+    assert StreamStart.from_payload(payload) == s
+    with pytest.raises(msgspec.ValidationError, match="growth"):
+        StreamStart.from_payload(np.frombuffer(msgspec.msgpack.encode(
+            {"chunk": {"growth": 9.0}}), dtype=np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        StreamStart.from_payload(np.zeros(5, dtype=np.int32))
 
 
 def test_control_channel():

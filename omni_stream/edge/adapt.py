@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import msgspec
+
 from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
 from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
@@ -189,8 +191,8 @@ def _check_keys(values: Mapping[str, Any], what: str) -> None:
 def _calibration_values(calibration: Any) -> dict[str, Any]:
     if calibration is None:
         return {}
-    if dataclasses.is_dataclass(calibration):  # a scheduling.ChunkPolicy
-        calibration = dataclasses.asdict(calibration)
+    if isinstance(calibration, msgspec.Struct):  # a scheduling.ChunkPolicy
+        calibration = msgspec.structs.asdict(calibration)
     if not isinstance(calibration, Mapping):
         raise ValueError(f"calibration must be a dict or a ChunkPolicy, got {calibration!r}")
     bad = sorted(set(calibration) - set(CALIBRATION_KEYS) - CHUNK_POLICY_ONLY)

@@ -11,6 +11,10 @@ chunks amortise them but leave a longer silence if the buffer is short. Hence:
 - a step up is taken only while the buffer stays above ``min_slack_s`` until the bigger chunk
   arrives; when the slack is low the chunk shrinks to what the buffer covers, never below 1.
 
+This is the one chunk-schedule type: the orchestrator sends it to the codec stage inside
+``AddStream`` / ``StreamStart`` (a msgspec struct, so it crosses processes as msgpack), the codec
+stage sizes every chunk with ``next_chunk``, and the fake backend ramps with ``ramp``.
+
 ``calibrate`` picks the parameters from measured chunk arrivals, and ``CalibrationCache`` keeps
 them per hardware fingerprint so a restart on the same machine does not recalibrate.
 """
@@ -23,11 +27,11 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from omni_stream.stages.schedule import ChunkSchedule
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +39,10 @@ FRAME_AUDIO_S = 0.08  # one 12.5 Hz codec frame of audio
 MAX_GROWTH = 2.0
 
 
-@dataclass(frozen=True)
-class ChunkPolicy:
+class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``first`` frames, then growth towards ``steady`` (x ``growth`` per chunk, <= x2), gated on
-    ``min_slack_s`` of buffered audio remaining when the next chunk lands."""
+    ``min_slack_s`` of buffered audio remaining when the next chunk lands. A frozen msgspec
+    struct: validated in ``__post_init__`` whether built here or decoded from a message."""
 
     first: int = 1
     steady: int = 8
@@ -53,6 +57,11 @@ class ChunkPolicy:
             raise ValueError(f"growth must be in [1, {MAX_GROWTH}], got {self.growth}")
         if self.min_slack_s < 0 or self.audio_frame_s <= 0:
             raise ValueError("min_slack_s must be >= 0 and audio_frame_s > 0")
+
+    def starting_at(self, first: int) -> "ChunkPolicy":
+        """This policy with a first chunk of ``first`` frames (a request's
+        ``initial_codec_chunk_frames``); ``steady`` is raised to ``first`` if it is smaller."""
+        return msgspec.structs.replace(self, first=first, steady=max(self.steady, first))
 
     def grow(self, prev: int) -> int:
         """The ramp's next size after ``prev``: x growth (at least +1), at most x2 and steady."""
@@ -84,12 +93,8 @@ class ChunkPolicy:
             return target
         return int(max(1, min(prev, self.steady, affordable)))
 
-    def to_schedule(self) -> ChunkSchedule:
-        """The static ramp for the stages' ``ChunkSchedule`` (no slack feedback)."""
-        return ChunkSchedule(first=self.first, growth=self.growth, steady=self.steady)
-
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChunkPolicy":

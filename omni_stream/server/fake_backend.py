@@ -7,8 +7,9 @@ onto BackendError exactly as ``PipelineBackend.stream`` does) so that server tes
 statuses production sends: queue full -> 429 ``server_busy`` at once, queued past the deadline
 -> 503 ``queue_timeout``, both with the controller's Retry-After. Only the KV budget is left out
 (effectively unlimited, one byte per stream): there is no model whose cache could run out.
-Besides: per-frame pacing, a 1-frame-first chunk ramp, and prompt release of its slot when the
-consumer closes the stream.
+Besides: per-frame pacing, chunks sized by the real ramp (``ChunkPolicy.ramp``: 1 frame first,
+x2 per chunk up to ``steady_chunk_frames``, no slack feedback), and prompt release of its slot
+when the consumer closes the stream.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, AsyncGenerator
 
 import numpy as np
 
-from omni_stream.scheduling import AdmissionController, Rejected
+from omni_stream.scheduling import AdmissionController, ChunkPolicy, Rejected
 from omni_stream.server.backend import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
 
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
@@ -41,14 +42,14 @@ def expected_frames(text: str, max_frames: int | None = None) -> int:
     return min(n, max_frames) if max_frames else n
 
 
-def chunk_schedule(total: int, first: int, steady: int) -> list[int]:
-    """Chunk sizes in frames: ``first``, then doubling up to ``steady``; sums to ``total``."""
-    sizes, size, left = [], max(1, first), total
+def chunk_sizes(total: int, policy: ChunkPolicy) -> list[int]:
+    """Chunk sizes in frames: ``policy.ramp(0), policy.ramp(1), ...``, the last one cut so
+    they sum to ``total``."""
+    sizes: list[int] = []
+    left = total
     while left > 0:
-        take = min(size, left)
-        sizes.append(take)
-        left -= take
-        size = min(max(size * 2, 2), max(steady, first))
+        sizes.append(min(policy.ramp(len(sizes)), left))
+        left -= sizes[-1]
     return sizes
 
 
@@ -96,7 +97,7 @@ class FakeBackend:
         self.max_streams = max_streams
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.steady_chunk_frames = steady_chunk_frames
+        self.chunk_policy = ChunkPolicy(first=1, steady=steady_chunk_frames)
         self.fail_after_frames = fail_after_frames
         self.reject = reject
         self.max_frames_cap = max_frames_cap
@@ -175,9 +176,11 @@ class FakeBackend:
         try:
             seed = job.seed if job.seed is not None else zlib.crc32(f"{job.voice}|{job.text}".encode())
             total = expected_frames(job.text, job.max_frames)
-            first = job.initial_chunk_frames or 1
+            policy = self.chunk_policy
+            if job.initial_chunk_frames:
+                policy = policy.starting_at(job.initial_chunk_frames)
             done = 0
-            for size in chunk_schedule(total, first, self.steady_chunk_frames):
+            for size in chunk_sizes(total, policy):
                 for _ in range(size):  # one "decode step" per frame
                     await asyncio.sleep(self.frame_delay)
                     if self.fail_after_frames is not None and done >= self.fail_after_frames:

@@ -1,10 +1,11 @@
 """Code2Wav stage: stateful streaming decode of every stream's frames, batched across streams.
 
-Input: the talker's ``frames`` ring (EVENT FIRST with the stream's chunk schedule, CODES frames,
-END / ERROR / cancel events). Output: the ``audio`` ring to the server: PCM chunks (float32,
-n_frames * 1920 samples) or, for codes-only streams, the frames themselves; END on the last
-chunk, ERROR|END (payload = utf-8 message) on failure. Each stream owns a decoder slot from its
-FIRST event to its END; streams whose next chunk has the same length are decoded in one batch.
+Input: the talker's ``frames`` ring (EVENT FIRST carrying the stream's ``StreamStart``: its
+chunk policy, codes-only mode and input token count; CODES frames; END / ERROR / cancel
+events). Output: the ``audio`` ring to the server: PCM chunks (float32, n_frames * 1920
+samples) or, for codes-only streams, the frames themselves; END on the last chunk, ERROR|END
+(payload = utf-8 message) on failure. Each stream owns a decoder slot from its FIRST event to
+its END; streams whose next chunk has the same length are decoded in one batch.
 When the stage falls behind, a stream's whole backlog is decoded in one call (never more than
 ``max_chunk`` frames), which both catches up and amortises the per-call cost. A final chunk
 carries LENGTH when the talker stopped the stream at its frame cap.
@@ -27,8 +28,7 @@ import torch
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
-from omni_stream.stages.schedule import ChunkSchedule
-from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring
+from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring, StreamStart
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import start_stage
 
@@ -64,8 +64,7 @@ class _Stream:
 
 class CodecStage:
     def __init__(self, model: Code2Wav, max_slots: int, out: Ring, max_chunk: int = 32,
-                 min_slack_s: float = 0.16, faults: FaultPlan | None = None) -> None:
-        self.min_slack_s = min_slack_s
+                 faults: FaultPlan | None = None) -> None:
         self.faults = faults or FaultPlan()
         self.codebooks = model.cfg.num_quantizers
         self.codebook_size = model.cfg.codebook_size
@@ -87,16 +86,18 @@ class CodecStage:
         stepstats.record_ns("hop.frames.put_get", m.put_ns, m.get_ns)
         sid = m.stream_id
         if m.kind == MsgKind.EVENT and m.flags & Flags.FIRST:
-            info = m.payload.tolist()
+            try:
+                start = StreamStart.from_payload(m.payload)
+            except ValueError as e:
+                self._error(sid, f"codec stage could not read the stream's start: {e}")
+                return
             if not self.free:  # cannot happen while codec slots >= talker slots
                 self._error(sid, "codec stage has no free decoder slot")
                 return
             slot = self.free.pop(0)
             self.dec.reset(slot)
-            sched = ChunkSchedule.from_list(info[:3])
-            policy = ChunkPolicy(first=sched.first, steady=sched.steady, growth=sched.growth,
-                                 min_slack_s=self.min_slack_s)
-            self.streams[sid] = _Stream(slot, policy, bool(info[3]), int(info[4]), first_ns=m.enqueue_ns)
+            self.streams[sid] = _Stream(slot, start.chunk, start.codes_only, start.input_tokens,
+                                        first_ns=m.enqueue_ns)
             return
         if sid in self.failed:  # already failed here: drop the rest quietly
             if m.kind == MsgKind.EVENT and m.flags & Flags.END:

@@ -2,9 +2,9 @@
 
 Control (AddStream / CancelStream / Shutdown / StatsRequest) arrives on a ControlChannel; frames
 leave on the ``frames`` ring as CODES messages ([1, 16] int64, seq = frame index, END on the
-last frame). A stream's first message is an EVENT with FIRST set whose payload carries what the
-codec stage needs to know about it (chunk schedule, codes-only mode), so the codec never sees a
-frame of a stream it has not been told about. Errors for a stream travel in-band as EVENT with
+last frame). A stream's first message is an EVENT with FIRST set whose payload is a ``StreamStart`` (chunk
+policy, codes-only mode, input tokens; msgpack bytes), so the codec never sees a frame of a
+stream it has not been told about. Errors for a stream travel in-band as EVENT with
 ERROR|END; a cancelled stream gets an EVENT with END and aux=1 (nothing more will come). The
 last frame of a stream stopped by its frame cap carries END|LENGTH.
 
@@ -30,13 +30,13 @@ import torch
 from omni_stream.checkpoints.io import LoadedModel
 from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import Prompt, PromptBuilder, PromptRequest
-from omni_stream.engine.sampling import INVALID, SamplingParams
+from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
                                             RunningStream, decide_prefill, slack_s)
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
                                    FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
-                                   StatsRequest)
+                                   StatsRequest, StreamStart)
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import start_stage
 
@@ -185,18 +185,17 @@ class TalkerStage:
     def _start(self, pend: _Pending) -> None:
         """Build the prompt, take a slot, tell the codec stage about the stream."""
         msg, p = pend.msg, pend.msg.prompt
-        req = PromptRequest(text=str(p.get("text", "")), language=str(p.get("language") or "auto"),
-                            speaker=p.get("speaker"), instructions=p.get("instructions"),
-                            stream_text=bool(p.get("stream_text", False)))
+        req = PromptRequest(text=p.text, language=p.language or "auto", speaker=p.speaker,
+                            instructions=p.instructions, stream_text=p.stream_text)
         prompt = self.builder.build(req)
         if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
             raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "
                              f"the slot's {self.engine.shape.max_seq_len} positions")
         pend.prompt = prompt
         pend.slot = self.free.pop(0)
-        info = np.asarray(list(p.get("chunk", [1, 2000, 8])) + [int(bool(p.get("stream_codes"))),
-                          len(prompt.text_ids)], dtype=np.int64)
-        self._event(msg.stream_id, Flags.FIRST, info)
+        start = StreamStart(msg.chunk, codes_only=msg.stream_codes,
+                            input_tokens=len(prompt.text_ids))
+        self._event(msg.stream_id, Flags.FIRST, start.to_payload())
 
     def _feed(self, pend: _Pending, n: int) -> bool:
         """Prefill the next ``n`` prompt positions; True when the stream became active."""
@@ -206,7 +205,7 @@ class TalkerStage:
         n = prompt.length - pend.fed if final else n
         t0 = time.perf_counter()
         code0 = self.engine.prefill(pend.slot, prompt.embeds[pend.fed:pend.fed + n], prompt.trailing,
-                                    SamplingParams(**msg.sampling()), msg.seed, start=pend.fed,
+                                    msg.sampling, msg.seed, start=pend.fed,
                                     final=final)
         dt = time.perf_counter() - t0
         stepstats.record("talker.prefill", dt)

@@ -1,7 +1,8 @@
 """Inter-process data plane: shared-memory rings (data), eventfd wake-ups, msgspec control."""
 
 from .messages import (AddStream, CancelStream, ChannelClosed, ControlChannel, ControlMessage,
-                       Shutdown, StageError, StatsReply, StatsRequest, decode, encode)
+                       PromptSpec, Shutdown, StageError, StatsReply, StatsRequest, StreamStart,
+                       decode, encode)
 from .notify import Notifier
 from .record import DTYPES, HEADER_SIZE, FailReason, Flags, Message, MsgKind
 from .ring import Ring, RingHandle
@@ -10,7 +11,8 @@ from .shm import (SEGMENT_PREFIX, SegmentRegistry, cleanup_stale, default_regist
 
 __all__ = [
     "AddStream", "CancelStream", "ChannelClosed", "ControlChannel", "ControlMessage", "DTYPES",
-    "FailReason", "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "Ring", "RingHandle",
-    "SEGMENT_PREFIX", "SegmentRegistry", "Shutdown", "StageError", "StatsReply", "StatsRequest",
+    "FailReason", "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "PromptSpec", "Ring",
+    "RingHandle", "SEGMENT_PREFIX", "SegmentRegistry", "Shutdown", "StageError", "StatsReply",
+    "StatsRequest", "StreamStart",
     "cleanup_stale", "decode", "default_registry", "default_shm_dir", "encode", "pid_alive",
 ]

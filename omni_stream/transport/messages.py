@@ -5,8 +5,15 @@ plain ``multiprocessing`` Pipe wrapped in :class:`ControlChannel` (one duplex pi
 bytes only: no pickling of message bodies), while per-frame data goes through the rings. The
 Connection pickles for 'spawn'/'forkserver' children like any multiprocessing Connection.
 
+Every message is a typed struct: ``AddStream`` nests the prompt (:class:`PromptSpec`), the
+sampling settings (``config.SamplingParams``, the engine's own type) and the chunk policy
+(``scheduling.chunking.ChunkPolicy``, the codec stage's own type), so decoding a message checks
+every field (a wrong type or value is a ``msgspec.ValidationError`` naming it). The one message
+that rides a ring instead of the pipe, the talker's first event of a stream to the codec stage,
+is :class:`StreamStart`: msgpack bytes as a uint8 payload.
+
 Large per-stream inputs (prompt embeddings, speaker x-vectors) do not belong here: they go as
-ring payloads keyed by stream id; ``AddStream.prompt`` carries only small primitives.
+ring payloads keyed by stream id; ``PromptSpec`` carries only the text and a few names.
 """
 
 from __future__ import annotations
@@ -15,10 +22,10 @@ from multiprocessing.connection import Connection
 from typing import Union
 
 import msgspec
+import numpy as np
 
 from omni_stream.config import SamplingParams
-
-Primitive = Union[None, bool, int, float, str, list[Union[bool, int, float, str]]]
+from omni_stream.scheduling.chunking import ChunkPolicy
 
 
 def _check_stream_id(stream_id: int) -> None:
@@ -26,36 +33,59 @@ def _check_stream_id(stream_id: int) -> None:
         raise ValueError(f"stream_id must be >= 0, got {stream_id}")
 
 
-class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True):
-    """Admit a stream. Sampling fields mirror ``models.sampling.SamplingParams``
-    (``SamplingParams(**msg.sampling())``)."""
+class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the talker stage builds the prompt from (``models.prompt.PromptRequest``'s fields)."""
+
+    text: str = ""
+    language: str = "auto"
+    speaker: str | None = None
+    instructions: str | None = None
+    stream_text: bool = False  # feed the text token by token alongside the codec frames
+
+
+class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True,
+                forbid_unknown_fields=True):
+    """Admit a stream: what to say, how to sample it, how to chunk its audio, and for how long.
+    ``stream_codes``: the server wants the codec frames themselves, not PCM."""
 
     stream_id: int
-    prompt: dict[str, Primitive] = {}
+    prompt: PromptSpec = msgspec.field(default_factory=PromptSpec)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    chunk: ChunkPolicy = msgspec.field(default_factory=ChunkPolicy)
     seed: int = 0
     max_frames: int = 4096
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    min_new_tokens: int = 2
-    sub_do_sample: bool = True
-    sub_temperature: float = 0.9
-    sub_top_k: int = 50
-    sub_top_p: float = 1.0
+    stream_codes: bool = False
 
     def __post_init__(self) -> None:
         _check_stream_id(self.stream_id)
         if self.max_frames <= 0:
             raise ValueError(f"max_frames must be > 0, got {self.max_frames}")
-        SamplingParams(**self.sampling())  # the same rules as the engine's (raises ValueError)
 
-    def sampling(self) -> dict[str, float | int | bool]:
-        return {f: getattr(self, f) for f in ("do_sample", "temperature", "top_k", "top_p",
-                                               "repetition_penalty", "min_new_tokens",
-                                               "sub_do_sample", "sub_temperature", "sub_top_k",
-                                               "sub_top_p")}
+
+class StreamStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The talker's FIRST event of a stream on the frames ring: what the codec stage needs to
+    know before its first frame (chunk policy, codes-only mode, the prompt's text tokens that
+    the final chunk reports as ``input_tokens``)."""
+
+    chunk: ChunkPolicy
+    codes_only: bool = False
+    input_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_tokens < 0:
+            raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
+
+    def to_payload(self) -> np.ndarray:
+        """msgpack bytes as a uint8 array (a ring payload)."""
+        return np.frombuffer(_encoder.encode(self), dtype=np.uint8).copy()
+
+    @classmethod
+    def from_payload(cls, payload: np.ndarray) -> "StreamStart":
+        """Inverse of :meth:`to_payload`; raises msgspec.ValidationError naming a bad field."""
+        if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8:
+            raise ValueError("a StreamStart payload is msgpack bytes as a uint8 array, got "
+                             f"{getattr(payload, 'dtype', type(payload).__name__)}")
+        return _start_decoder.decode(payload.tobytes())
 
 
 class CancelStream(msgspec.Struct, tag="cancel_stream", tag_field="type", frozen=True):
@@ -99,6 +129,7 @@ ControlMessage = Union[AddStream, CancelStream, StatsRequest, StatsReply, Shutdo
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
+_start_decoder = msgspec.msgpack.Decoder(StreamStart)
 
 
 def encode(msg: ControlMessage) -> bytes:
