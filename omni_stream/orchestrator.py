@@ -33,7 +33,7 @@ from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for,
 from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.scheduling.limits import FrameCap, stream_frame_cap
-from omni_stream.server.backend import AudioChunk, BackendError, SpeechJob
+from omni_stream.contract import AudioChunk, BackendError, SpeechJob
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
 from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
@@ -324,7 +324,7 @@ class PipelineBackend:
             await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
                                    self.s.queue_timeout_s)
         except Rejected as r:
-            raise r.to_backend_error() from None
+            raise BackendError.from_rejected(r) from None
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         st = _Stream(sid, asyncio.get_running_loop())
         self._streams[sid] = st

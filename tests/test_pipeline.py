@@ -421,6 +421,6 @@ def test_default_frame_cap_follows_the_text(tiny_ckpt):
 
 
 def _job(text: str):
-    from omni_stream.server.backend import SpeechJob
+    from omni_stream.contract import SpeechJob
 
     return SpeechJob(text=text, request_id="t")

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from omni_stream.contract import BackendError
 from omni_stream.scheduling.admission import AdmissionController, Rejected
 
 
@@ -40,7 +41,7 @@ def test_need_above_the_whole_budget_is_refused_at_once():
     with pytest.raises(Rejected) as e:
         a.try_admit("x", 101)
     assert (e.value.status, e.value.reason, e.value.retry_after_s) == (400, "too_large", None)
-    be = e.value.to_backend_error()
+    be = BackendError.from_rejected(e.value)
     assert (be.status, be.code, be.param) == (400, "request_too_large", "max_new_tokens")
     assert a.snapshot()["rejected_too_large"] == 1
 
@@ -91,7 +92,7 @@ def test_queue_full_is_429_with_retry_after_from_position_and_mean_duration():
     r = e.value
     assert (r.status, r.reason, r.code) == (429, "queue_full", "server_busy")
     assert r.retry_after_s == pytest.approx((2 + 1) * 6.0 / 2)  # position 2, 2 streams running
-    assert r.to_backend_error().retry_after == r.retry_after_s
+    assert BackendError.from_rejected(r).retry_after == r.retry_after_s
     snap = a.snapshot()
     assert snap["rejected_queue_full"] == 1 and snap["queued"] == 2
     assert a.retry_after_s(1000) == a.max_retry_s and a.retry_after_s(0) >= a.min_retry_s

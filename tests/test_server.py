@@ -227,7 +227,7 @@ def test_fake_backend_chunks_follow_the_one_ramp():
         return got
 
     async def backend_stream(backend, text, **kw):
-        from omni_stream.server.backend import SpeechJob
+        from omni_stream.contract import SpeechJob
 
         await backend.start()
         async for chunk in backend.stream(SpeechJob(text=text, request_id="r", **kw)):
@@ -289,7 +289,7 @@ def test_health_models_and_metrics():
 
 
 def test_fake_backend_satisfies_the_protocol():
-    from omni_stream.server.backend import Backend
+    from omni_stream.contract import Backend
 
     assert isinstance(FakeBackend(), Backend)
 

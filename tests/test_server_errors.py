@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from omni_stream.server.audio import to_s16le
-from omni_stream.server.backend import BackendError
+from omni_stream.contract import BackendError
 from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import post_speech as post

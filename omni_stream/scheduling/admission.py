@@ -34,7 +34,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ DEADLINE = "deadline"
 TOO_LARGE = "too_large"
 CANCELLED = "cancelled"
 
-# reason -> BackendError code (the codes the orchestrator already sends)
+# reason -> the error code on the wire (``contract.BackendError.from_rejected``)
 _CODES = {QUEUE_FULL: "server_busy", DEADLINE: "queue_timeout", TOO_LARGE: "request_too_large",
           CANCELLED: "cancelled"}
 
@@ -64,13 +64,6 @@ class Rejected(Exception):
     @property
     def code(self) -> str:
         return _CODES.get(self.reason, self.reason)
-
-    def to_backend_error(self) -> Any:
-        """The server-facing ``BackendError`` (imported lazily: scheduling stays server-free)."""
-        from omni_stream.server.backend import BackendError
-
-        return BackendError(self.status, self.code, self.message, retry_after=self.retry_after_s,
-                            param="max_new_tokens" if self.reason == TOO_LARGE else None)
 
     def __repr__(self) -> str:
         return f"Rejected({self.status}, {self.reason!r}, retry_after_s={self.retry_after_s})"

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import WSCloseCode, web
 
 from omni_stream.server.audio import supported_formats
-from omni_stream.server.backend import Backend
+from omni_stream.contract import Backend
 from omni_stream.server.errors import ApiError, from_http_exception, internal_error
 from omni_stream.server.metrics import CONTENT_TYPE, ServerMetrics
 from omni_stream.server.schema import OPENAI_VOICES, voice_aliases

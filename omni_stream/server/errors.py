@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from omni_stream.server.backend import BackendError
+from omni_stream.contract import BackendError
 
 # status -> OpenAI "type" (OpenAI uses invalid_request_error for every 4xx but 429)
 _TYPES = {429: "rate_limit_error"}

@@ -24,7 +24,7 @@ from typing import Any, AsyncGenerator
 import numpy as np
 
 from omni_stream.scheduling import AdmissionController, ChunkPolicy, Rejected
-from omni_stream.server.backend import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
+from omni_stream.contract import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
 
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
 CHARS_PER_FRAME = 4  # fake "speaking rate": one 80 ms frame per 4 characters of text
@@ -168,7 +168,7 @@ class FakeBackend:
         try:  # as PipelineBackend.stream: 429 queue full, 503 deadline, Retry-After from adm
             await self.adm.acquire(sid, 1, self.queue_timeout)
         except Rejected as r:
-            raise r.to_backend_error() from None
+            raise BackendError.from_rejected(r) from None
         self.active += 1
         self.jobs.append(job)
         self.started_total += 1

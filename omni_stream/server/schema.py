@@ -23,7 +23,7 @@ from typing import Any, Union
 import msgspec
 
 from omni_stream.server.audio import AudioFormat, default_format, supported_formats
-from omni_stream.server.backend import Backend, BackendError, SpeechJob
+from omni_stream.contract import Backend, BackendError, SpeechJob
 from omni_stream.server.errors import ApiError
 from omni_stream.server.settings import ServerSettings
 

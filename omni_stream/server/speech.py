@@ -19,7 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from omni_stream.server.audio import encode_whole, to_s16le, wav_header
-from omni_stream.server.backend import AudioChunk
+from omni_stream.contract import AudioChunk
 from omni_stream.server.errors import ApiError
 from omni_stream.observability import stepstats
 from omni_stream.server.schema import (SpeechPlan, check_content_type, decode_speech_request,

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from omni_stream.server.audio import to_s16le
-from omni_stream.server.backend import AudioChunk
+from omni_stream.contract import AudioChunk
 from omni_stream.server.errors import ApiError
 from omni_stream.observability import stepstats
 from omni_stream.server.stream import StreamRun

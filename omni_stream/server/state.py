@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from omni_stream.server.backend import Backend
+from omni_stream.contract import Backend
 from omni_stream.server.metrics import ServerMetrics
 from omni_stream.server.settings import ServerSettings
 

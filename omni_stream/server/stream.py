@@ -13,7 +13,7 @@ import logging
 import time
 from typing import AsyncGenerator
 
-from omni_stream.server.backend import FRAME_SECONDS, AudioChunk, Backend, BackendError, SpeechJob
+from omni_stream.contract import FRAME_SECONDS, AudioChunk, Backend, BackendError, SpeechJob
 from omni_stream.server.errors import ApiError, internal_error
 from omni_stream.server.metrics import ServerMetrics
 

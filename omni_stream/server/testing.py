@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import aiohttp
 
-from omni_stream.server.backend import Backend
+from omni_stream.contract import Backend
 from omni_stream.server.settings import ServerSettings
 
 T = TypeVar("T")

@@ -47,7 +47,7 @@ import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_stream.server.audio import to_s16le
-from omni_stream.server.backend import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob
+from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob
 from omni_stream.server.errors import ApiError
 from omni_stream.server.schema import (ClientEvent, InputDone, InputText, SessionClose,
                                        SessionConfig, check_characters, check_text, decode_json,

@@ -1,6 +1,7 @@
-"""The one interface between the HTTP/WebSocket layer and the model pipeline.
+"""The contract between the server and the model pipeline (the real one or ``FakeBackend``).
 
-The server never touches the model: a handler builds a :class:`SpeechJob`, asks the backend to
+It sits below both (``server`` and ``orchestrator`` import it; it imports nothing above
+``scheduling``), so neither side depends on the other. The server never touches the model: a handler builds a :class:`SpeechJob`, asks the backend to
 ``validate`` it, then iterates ``backend.stream(job)`` and writes each :class:`AudioChunk` as it
 arrives. Everything the server needs to know about failures travels as a :class:`BackendError`
 carrying its HTTP status, so admission control (429/503 with Retry-After) lives in the backend
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 
 import numpy as np
+
+from omni_stream.scheduling.admission import TOO_LARGE, Rejected
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
 FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
@@ -82,6 +85,14 @@ class BackendError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+
+    @classmethod
+    def from_rejected(cls, r: Rejected) -> "BackendError":
+        """What admission's refusal means on the wire: 429 ``server_busy`` (queue full), 503
+        ``queue_timeout`` (deadline), 400 ``request_too_large`` (param max_new_tokens), with the
+        controller's Retry-After. Both backends map it through here."""
+        return cls(r.status, r.code, r.message, retry_after=r.retry_after_s,
+                   param="max_new_tokens" if r.reason == TOO_LARGE else None)
 
     def __repr__(self) -> str:
         return f"BackendError({self.status}, {self.code!r}, {self.message!r})"
