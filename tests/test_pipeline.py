@@ -125,6 +125,13 @@ def test_concurrency_cancellation_and_cleanup(tiny_ckpt):
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
             assert "omni_stream_backend_slots_free 4.0" in text
+            for _ in range(40):  # the talker pushes its timings every second
+                if 'phase="talker.step"' in text:
+                    break
+                await asyncio.sleep(0.1)
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+            assert 'phase="talker.step"' in text  # stage timings reach the server's /metrics
             return segs_running
 
     segs = run_async(main(), timeout=400)
@@ -141,7 +148,7 @@ def test_stage_crash_fails_streams_fast_and_recovers(tiny_ckpt):
                     max_new_tokens=250)) as r:
                 assert r.status == 200
                 await r.content.readexactly(1920 * 2)
-                os.kill(backend._pipe.talker.pid, signal.SIGKILL)
+                os.kill(backend.sup.pipe.talker.pid, signal.SIGKILL)
                 t0 = time.monotonic()
                 with pytest.raises(aiohttp.ClientPayloadError):
                     while await r.content.read(65536):
@@ -150,7 +157,7 @@ def test_stage_crash_fails_streams_fast_and_recovers(tiny_ckpt):
             assert dt < 1.0, f"stream took {dt:.2f} s to fail after the stage died"
             # the server stays up and the next request succeeds (after the restart)
             for _ in range(200):
-                if backend._pipe is not None:
+                if backend.sup.pipe is not None:
                     break
                 await asyncio.sleep(0.1)
             st, _, data = await _speech(s, url, input="After the crash.", response_format="pcm",
@@ -206,7 +213,7 @@ def test_split_placement_gives_identical_audio(tiny_ckpt):
                 assert all(r[0] == 200 for r in results)
                 out[placement] = [r[2] for r in results]
                 if placement == "split":
-                    assert backend._pipe.cp is not None and backend._pipe.cp.is_alive()
+                    assert backend.sup.pipe.cp is not None and backend.sup.pipe.cp.is_alive()
         assert all(_close_pcm(a, b) for a, b in zip(out["split"], out["together"]))
 
     run_async(main(), timeout=300)
@@ -335,7 +342,7 @@ def test_stages_pinned_to_disjoint_cpu_sets(tiny_ckpt):
             st, _, data = await _speech(s, url, input="Pinned.", response_format="pcm",
                                         max_new_tokens=4)
             assert st == 200 and len(data) > 0
-            pipe = backend._pipe
+            pipe = backend.sup.pipe
             return os.sched_getaffinity(pipe.talker.pid), os.sched_getaffinity(pipe.codec.pid)
 
     talker, codec = run_async(main(), timeout=300)

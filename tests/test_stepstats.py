@@ -159,6 +159,18 @@ def test_listener_sees_every_record(monkeypatch):
     assert len(seen) == 3
 
 
+def test_notify_reaches_listeners_without_recording():
+    """A stage's pushed timings reach the server's listeners (its /metrics) but not the
+    server's own registry, whose dumps keep only what the server timed itself."""
+    seen = []
+    fn = lambda name, seconds: seen.append((name, seconds))  # noqa: E731
+    stepstats.add_listener(fn)
+    stepstats.notify("talker.step", 0.04)
+    stepstats.remove_listener(fn)
+    assert seen == [("talker.step", 0.04)]
+    assert "talker.step" not in stepstats.snapshot()["phases"]
+
+
 def test_listener_feeds_prometheus_observe_step():
     from omni_stream.server.metrics import ServerMetrics, observe_step
 

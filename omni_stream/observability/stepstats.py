@@ -182,6 +182,13 @@ def add_listener(fn: Listener) -> None:
         _listeners.append(fn)
 
 
+def notify(name: str, seconds: float) -> None:
+    """Hand a duration recorded elsewhere (a stage process's pushed timings) to this process's
+    listeners only: this process's own registry and dumps keep what it timed itself."""
+    for fn in _listeners:
+        fn(name, seconds)
+
+
 def remove_listener(fn: Listener) -> None:
     if fn in _listeners:
         _listeners.remove(fn)

@@ -1,12 +1,15 @@
-"""The request lifecycle: admission, stage processes, chunk routing, cancellation, recovery.
+"""The request lifecycle: validation, admission, dispatch, chunk routing, cancellation.
 
-``PipelineBackend`` implements the server's ``Backend``. It owns two stage processes,
+``PipelineBackend`` implements the server's ``contract.Backend`` over the stage processes that
+its :class:`~omni_stream.orchestrator.pipeline.Supervisor` runs,
 
     talker (+ code predictor) --frames ring--> codec (Code2Wav) --audio ring--> this process
 
-plus a control pipe to the talker. A reader thread drains the audio ring and hands each chunk
-to its stream's asyncio queue; a supervisor notices a dead stage within ~0.1 s, fails the
-streams in flight (they get a BackendError, never a hang), and restarts the pipeline.
+A request is validated, priced in KV and admitted (``scheduling.AdmissionController``), sent to
+the talker as an ``AddStream``; the supervisor's reader thread hands each audio-ring message to
+its stream's asyncio queue, and the stream's generator turns them into ``AudioChunk`` values.
+A stream the client leaves is cancelled in the stages; a stream whose stage died gets a
+BackendError, never a hang. Finished streams also calibrate the chunk policy for the next start.
 """
 
 from __future__ import annotations
@@ -15,65 +18,27 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import multiprocessing as mp
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
-
-from omni_stream.config import ModelConfig, SamplingParams
-from omni_stream.checkpoints.io import read_config
-from omni_stream.models.text_tokenizer import TextTokenizer
-from omni_stream.models.prompt import assistant_text, instruct_text
-from omni_stream.observability import stepstats
 from omni_stream.checkpoints.default import cache_dir
+from omni_stream.checkpoints.io import read_config
+from omni_stream.config import ModelConfig, SamplingParams
+from omni_stream.contract import AudioChunk, BackendError, SpeechJob
+from omni_stream.models.prompt import assistant_text, instruct_text
+from omni_stream.models.text_tokenizer import TextTokenizer
+from omni_stream.observability import stepstats
+from omni_stream.orchestrator.pipeline import Supervisor
+from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy, calibrate
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
-from omni_stream.scheduling.limits import FrameCap, stream_frame_cap
-from omni_stream.contract import AudioChunk, BackendError, SpeechJob
-from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
-from omni_stream.stages.cp_stage import run_cp_stage
-from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
-                                   FailReason, Flags, MsgKind, PromptSpec, Ring, Shutdown,
-                                   StatsReply, cleanup_stale)
+from omni_stream.scheduling.limits import stream_frame_cap
+from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, FailReason, Flags,
+                                   Message, MsgKind, PromptSpec, cleanup_stale)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    model_path: str
-    model_name: str = "qwen3-tts"
-    dtype: str = "float32"
-    weight_path: str | None = None  # talker/code-predictor weights: None = dtype, int8, int4
-    compile: bool = False  # torch.compile the decoder steps (cached across restarts)
-    max_streams: int = 4  # talker slots
-    max_seq_len: int = 2048
-    max_queue: int = 16
-    queue_timeout_s: float = 10.0
-    default_max_frames: int = 1500  # 120 s of audio: the ceiling of the default frame cap
-    frame_cap: FrameCap = field(default_factory=FrameCap)  # default cap that follows the text
-    schedule: ChunkPolicy = field(default_factory=ChunkPolicy)  # audio chunk sizes per stream
-    talker_threads: int = 1
-    codec_threads: int = 1
-    device: str = "cpu"
-    placement: str = "together"  # talker and code predictor: "together" (one process) or "split"
-    kv_budget_bytes: int | None = None  # None: exactly the static cache (slots x max_seq_len)
-    max_overtakes: int = 4  # head-of-line: how often a queued request may be passed
-    throttle: bool = True  # playback-slack prefill throttling in the talker stage
-    cpu_sets: dict = field(default_factory=dict)  # stage ('talker'|'cp'|'codec') -> CPU ids
-    cp_threads: int = 1
-    start_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.placement not in ("together", "split"):
-            raise ValueError(f"placement must be 'together' or 'split', not {self.placement!r}")
-        if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:
-            raise ValueError("max_streams >= 1, max_queue >= 0 and queue_timeout_s > 0 required")
 
 
 class _Stream:
@@ -85,80 +50,6 @@ class _Stream:
         self.loop = loop
         self.done = False
         self.arrivals: list[tuple[int, float]] = []  # (frames, time) per chunk, for calibration
-
-
-class _Pipeline:
-    """One incarnation of the stage processes and rings (replaced whole on a crash)."""
-
-    def __init__(self, s: PipelineSettings) -> None:
-        ctx = mp.get_context("spawn")
-        self.frames = Ring.create("frames", 8 << 20)
-        self.audio = Ring.create("audio", 32 << 20, role="consumer")
-        self.ctrl, child_ctrl = ControlChannel.pair(ctx)
-        spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                         max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
-                         weight_path=s.weight_path, compile=s.compile,
-                         throttle=s.throttle, cpus=tuple(s.cpu_sets.get("talker", ())))
-        cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                          threads=s.codec_threads, device=s.device,
-                          cpus=tuple(s.cpu_sets.get("codec", ())))
-        self.rings = [self.frames, self.audio]
-        cp_handles = None
-        self.cp = None
-        if s.placement == "split":
-            to_cp, from_cp = Ring.create("cp_in", 4 << 20), Ring.create("cp_out", 1 << 20)
-            self.rings += [to_cp, from_cp]
-            cp_handles = (to_cp.handle("producer"), from_cp.handle("consumer"))
-            pspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                              threads=s.cp_threads, device=s.device,
-                              weight_path=s.weight_path, compile=s.compile,
-                              cpus=tuple(s.cpu_sets.get("cp", ())))
-            self.cp = ctx.Process(target=run_cp_stage, name="omni-code-predictor", daemon=True,
-                                  args=(pspec, to_cp.handle("consumer"), from_cp.handle("producer")))
-        self.talker = ctx.Process(target=run_talker_stage, name="omni-talker", daemon=True,
-                                  args=(spec, child_ctrl, self.frames.handle("producer"), cp_handles))
-        self.codec = ctx.Process(target=run_codec_stage, name="omni-codec", daemon=True,
-                                 args=(cspec, self.frames.handle("consumer"), self.audio.handle("producer")))
-        self.procs = [p for p in (self.talker, self.cp, self.codec) if p is not None]
-        for p in self.procs:
-            p.start()
-        child_ctrl.close()
-        self.lock = threading.Lock()  # control sends come from the loop thread and the reader
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        msg = self.ctrl.recv(timeout=timeout)
-        if not isinstance(msg, StatsReply):
-            raise RuntimeError(f"talker stage did not start (got {msg!r}); see its log")
-        while time.monotonic() < deadline:
-            m = self.audio.get(timeout=0.5)
-            if m is not None and m.stream_id == READY_STREAM_ID:
-                return
-            if not self.codec.is_alive():
-                break
-        raise RuntimeError("codec stage did not start; see its log")
-
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
-    def send(self, msg) -> None:
-        with self.lock:
-            self.ctrl.send(msg)
-
-    def close(self) -> None:
-        try:
-            self.send(Shutdown(reason="server closing"))
-        except (ChannelClosed, OSError):
-            pass
-        for p in self.procs:
-            p.join(timeout=3)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=3)
-        self.ctrl.close()
-        for r in self.rings:
-            r.close()
-            r.unlink()
 
 
 class PipelineBackend:
@@ -185,12 +76,7 @@ class PipelineBackend:
         self._calibration = CalibrationCache(
             cache_dir() / "calibration", fingerprint=self._fingerprint())
         self._calibrated = False
-        self._pipe: _Pipeline | None = None
-        self._reader: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._restarts = 0
-        self._restart_times: list[float] = []
-        self._closing = False
+        self.sup = Supervisor(settings, self._on_audio, self._on_lost)
         self._completed = 0
         self._failed = 0
         self._invalid_codes = 0  # streams failed because a code failed its check
@@ -246,7 +132,7 @@ class PipelineBackend:
         out = dict(active_streams=len(self._streams), queue_depth=snap.get("queued", 0),
                    slots_total=self.s.max_streams,
                    slots_free=self.s.max_streams - snap.get("admitted", 0),
-                   stage_restarts=self._restarts, streams_completed=self._completed,
+                   stage_restarts=self.sup.restarts, streams_completed=self._completed,
                    streams_failed=self._failed, streams_failed_invalid_code=self._invalid_codes,
                    chunk_policy_calibrated=int(self._calibrated))
         out.update({f"admission_{k}": v for k, v in snap.items()})
@@ -270,34 +156,14 @@ class PipelineBackend:
             self._calibrated = True
             log.info("chunk schedule from calibration cache %s: %s", self._calibration.path,
                      cached.to_dict())
-        await asyncio.get_running_loop().run_in_executor(None, self._start_pipeline)
-
-    def _start_pipeline(self) -> None:
-        pipe = _Pipeline(self.s)
-        try:
-            pipe.wait_ready(self.s.start_timeout_s)
-        except Exception:
-            pipe.close()
-            raise
-        self._pipe = pipe
-        self._stop.clear()
-        self._reader = threading.Thread(target=self._read_loop, args=(pipe,), name="omni-audio-reader",
-                                        daemon=True)
-        self._reader.start()
-        log.info("pipeline ready (talker pid %d, codec pid %d)", pipe.talker.pid, pipe.codec.pid)
+        await asyncio.get_running_loop().run_in_executor(None, self.sup.start)
 
     def begin_shutdown(self) -> None:
         """The server is going down: stage exits from now on are not crashes to recover from."""
-        self._closing = True
+        self.sup.closing = True
 
     async def close(self) -> None:
-        self._closing = True
-        self._stop.set()
-        if self._reader is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 5)
-        if self._pipe is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._pipe.close)
-            self._pipe = None
+        await asyncio.get_running_loop().run_in_executor(None, self.sup.close)
         for st in list(self._streams.values()):
             self._deliver(st, BackendError(503, "shutting_down", "server is shutting down",
                                            retry_after=5))
@@ -305,7 +171,7 @@ class PipelineBackend:
     # ------------------------------------------------------------------ stream
     async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
         self.validate(job)
-        if self._pipe is None:
+        if self.sup.pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
         assert self.adm is not None
         text_tokens = self.text_tokens(job)
@@ -328,7 +194,7 @@ class PipelineBackend:
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         st = _Stream(sid, asyncio.get_running_loop())
         self._streams[sid] = st
-        pipe = self._pipe
+        pipe = self.sup.pipe
         try:
             if pipe is None:
                 raise BackendError(503, "unavailable", "the model pipeline is restarting", retry_after=2)
@@ -379,40 +245,36 @@ class PipelineBackend:
             raise
         finally:
             self._streams.pop(sid, None)
-            if not st.done and self._pipe is pipe and pipe is not None:
+            if not st.done and self.sup.pipe is pipe and pipe is not None:
                 try:
                     pipe.send(CancelStream(stream_id=sid, reason="client gone"))
                 except (ChannelClosed, OSError):
                     pass
             self.adm.release(sid)
 
-    # ------------------------------------------------------------------ reader / supervisor
+    # ------------------------------------------------------------------ from the supervisor
     def _deliver(self, st: _Stream, item) -> None:
         st.loop.call_soon_threadsafe(st.queue.put_nowait, item)
 
-    def _read_loop(self, pipe: _Pipeline) -> None:
-        last_check = time.monotonic()
-        while not self._stop.is_set():
-            m = pipe.audio.get(timeout=0.05)
-            if m is not None:
-                stepstats.record_ns("hop.audio.enqueue_put", m.enqueue_ns, m.put_ns)
-                stepstats.record_ns("hop.audio.put_get", m.put_ns, m.get_ns)
-                st = self._streams.get(m.stream_id)
-                if st is not None:
-                    n = len(m.payload) if m.kind == MsgKind.CODES and m.payload is not None else \
-                        (len(m.payload) // self.cfg.code2wav.samples_per_frame if m.kind == MsgKind.PCM else 0)
-                    if n:
-                        st.arrivals.append((n, m.get_ns / 1e9))
-                    if m.flags & Flags.END and not self._calibrated:
-                        self._try_calibrate(st.arrivals)
-                    self._deliver(st, m)
-            now = time.monotonic()
-            if now - last_check >= 0.1:
-                last_check = now
-                self._drain_control(pipe)
-                if not pipe.alive():
-                    self._recover(pipe)
-                    return
+    def _on_audio(self, m: Message) -> None:
+        """One audio-ring message (reader thread): to its stream, if it is still here."""
+        st = self._streams.get(m.stream_id)
+        if st is None:
+            return
+        n = len(m.payload) if m.kind == MsgKind.CODES and m.payload is not None else \
+            (len(m.payload) // self.cfg.code2wav.samples_per_frame if m.kind == MsgKind.PCM else 0)
+        if n:
+            st.arrivals.append((n, m.get_ns / 1e9))
+        if m.flags & Flags.END and not self._calibrated:
+            self._try_calibrate(st.arrivals)
+        self._deliver(st, m)
+
+    def _on_lost(self, err: BackendError) -> None:
+        """The stages died (reader thread): every stream in flight ends with ``err``."""
+        if self._streams:
+            log.warning("failing %d streams in flight: %s", len(self._streams), err.message)
+        for st in list(self._streams.values()):
+            self._deliver(st, err)
 
     def _try_calibrate(self, arrivals: list[tuple[int, float]]) -> None:
         """Fit chunk costs from a finished stream and cache the policy for the next start."""
@@ -424,56 +286,3 @@ class PipelineBackend:
         self._calibrated = True
         log.info("calibrated chunk policy %s (cached at %s; used from the next start)",
                  policy.to_dict(), path)
-
-    def _drain_control(self, pipe: _Pipeline) -> None:
-        """Stage timing pushes (StatsReply with request_id -1) -> this process's /metrics."""
-        try:
-            while (msg := pipe.ctrl.recv(timeout=0)) is not None:
-                if isinstance(msg, StatsReply) and msg.request_id == -1:
-                    _replay_into_metrics(msg.stats, msg.stage, msg.pid)
-        except (ChannelClosed, OSError):
-            pass
-
-    def _recover(self, pipe: _Pipeline) -> None:
-        time.sleep(0.2)  # a shutdown signal that also hit the stages is noticed here first
-        dead = [p.name for p in pipe.procs if not p.is_alive()]
-        self._pipe = None
-        closing = self._closing or self._stop.is_set()
-        if closing:
-            log.info("stage processes exited during shutdown (%s)", ", ".join(dead))
-        else:
-            log.error("stage process died (%s): failing %d streams and restarting",
-                      ", ".join(dead), len(self._streams))
-        err = BackendError(503 if closing else 500, "stage_failed",
-                           f"a pipeline stage ({', '.join(dead)}) stopped; the stream was aborted, "
-                           "retry the request", retry_after=2 if closing else None)
-        for st in list(self._streams.values()):
-            self._deliver(st, err)
-        pipe.close()
-        if closing:
-            return
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < 60] + [now]
-        if len(self._restart_times) > 5:
-            log.error("stages died 6 times within a minute: not restarting again; the server "
-                      "answers 503 until it is restarted (see the stage logs)")
-            return
-        self._restarts += 1
-        try:
-            self._start_pipeline()
-        except Exception as e:  # keep serving errors rather than dying
-            log.error("pipeline restart failed: %s", e)
-
-
-def _replay_into_metrics(flat: dict, stage: str, pid: int) -> None:
-    """Feed a stage's timing delta to the server's step histograms (one sample per recorded
-    phase event, at its histogram bin's geometric centre)."""
-    from omni_stream.server.metrics import observe_step
-
-    snap = stepstats.unflatten_snapshot(flat, stage, pid)
-    for name, p in snap["phases"].items():
-        for b, n in p["bins"]:
-            lo, hi = stepstats.bin_edges(b)
-            centre = (lo * hi) ** 0.5 if lo > 0 and hi != float("inf") else (hi if lo == 0 else lo)
-            for _ in range(min(int(n), 1000)):
-                observe_step(name, centre)
