@@ -94,11 +94,13 @@ def _model_bytes(path) -> int:
     return 2 * n
 
 
-def effective_profile(a: argparse.Namespace, path, hw=None):
+def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
     """The deployment profile for ``serve``: ``--profile auto`` layers model defaults, the
-    hardware-class file, values derived from the probe, and the flags given (which win);
-    ``--profile none`` is the fixed defaults plus the flags. Returns (profile, sources)."""
-    from omni_stream.edge.adapt import DeployProfile, build_profile
+    hardware-class file, values derived from the probe, the chunk calibration and the flags
+    given (which win); ``--profile none`` is the fixed defaults, the chunk calibration and the
+    flags. ``calibration``: this deployment's cached ChunkPolicy or None. Returns (profile,
+    sources)."""
+    from omni_stream.edge.adapt import FIELDS, DeployProfile, build_profile, calibration_values
     from omni_stream.edge.probe import load_profile
     from omni_stream.checkpoints.io import read_config
     from omni_stream.scheduling import kv_bytes_per_token
@@ -117,35 +119,73 @@ def effective_profile(a: argparse.Namespace, path, hw=None):
     if a.profile == "none":
         if user.get("dtype") == "bfloat16":
             user.setdefault("weight_path", "bf16")
-        prof = DeployProfile(**user)
-        return prof, {k: ("user" if k in user else "default") for k in prof.__dataclass_fields__}
+        calib = calibration_values(calibration)
+        prof = DeployProfile(**{**calib, **user})
+        return prof, {k: "user" if k in user else "calibration" if k in calib else "default"
+                      for k in FIELDS}
     cfg = read_config(path)
     return build_profile(hw or load_profile(), model_bytes=_model_bytes(path),
-                         kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token, user=user)
+                         kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
+                         calibration=calibration, user=user)
 
 
-def pipeline_settings(a: argparse.Namespace, hw=None):
-    """PipelineSettings for ``serve`` from the flags and the effective profile."""
-    from omni_stream.edge.adapt import format_profile
-    from omni_stream.checkpoints.default import resolve_model_path
-    from omni_stream.orchestrator import PipelineSettings
+def _settings(a: argparse.Namespace, path, prof, sources):
+    """PipelineSettings from an effective profile (and the serve-only flags, if any)."""
+    from omni_stream.orchestrator.settings import PipelineSettings
     from omni_stream.scheduling.chunking import ChunkPolicy
 
-    path = resolve_model_path(a.model)
-    prof, sources = effective_profile(a, path, hw)
-    log.info("effective profile (--profile %s):\n%s", a.profile, format_profile(prof, sources))
-    settings = PipelineSettings(
-        model_path=str(path), model_name=a.model_name or ("qwen3-tts" if a.model == "default" else path.name),
-        dtype=prof.dtype, device=prof.device, max_streams=prof.max_streams, max_queue=a.max_queue,
-        queue_timeout_s=prof.queue_timeout_s, max_seq_len=prof.max_seq_len,
+    model_name = getattr(a, "model_name", None)
+    return PipelineSettings(
+        model_path=str(path),
+        model_name=model_name or ("qwen3-tts" if a.model == "default" else path.name),
+        dtype=prof.dtype, device=prof.device, max_streams=prof.max_streams,
+        max_queue=getattr(a, "max_queue", 16), queue_timeout_s=prof.queue_timeout_s,
+        max_seq_len=prof.max_seq_len,
         schedule=ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk),
+        schedule_calibrated="calibration" in (sources["first_chunk"], sources["steady_chunk"]),
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
-        cp_threads=prof.cp_threads, placement=prof.placement,
+        cp_threads=prof.cp_threads, placement=prof.placement, cuda_graphs=prof.cuda_graphs,
         weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
         compile=prof.compile,
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
-        throttle=not a.no_throttle, cpu_sets=dict(prof.cpu_sets))
+        throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets))
+
+
+def _with_calibration(a: argparse.Namespace, path, build):
+    """(profile, sources, settings, calibration file or None): ``build(calibration)`` gives the
+    profile, with this deployment's cached chunk calibration as its calibration layer when one
+    exists. The cache is keyed by the settings' fingerprint, which the chunk sizes do not enter,
+    so the profile is first built without it to find the key."""
+    prof, sources = build(None)
+    settings = _settings(a, path, prof, sources)
+    cache = settings.calibration_cache()
+    policy = cache.load()
+    if policy is None:
+        return prof, sources, settings, None
+    try:
+        cprof, csources = build(policy)
+    except ValueError as e:
+        log.warning("chunk calibration %s (first %d, steady %d) does not fit the other "
+                    "settings and is not used: %s", cache.path, policy.first, policy.steady, e)
+        return prof, sources, settings, None
+    return cprof, csources, _settings(a, path, cprof, csources), cache.path
+
+
+def pipeline_settings(a: argparse.Namespace, hw=None):
+    """PipelineSettings for ``serve`` from the flags and the effective profile (whose
+    calibration layer is the cached chunk calibration of these settings, if any)."""
+    from omni_stream.edge.adapt import format_profile
+    from omni_stream.edge.probe import load_profile
+    from omni_stream.checkpoints.default import resolve_model_path
+
+    path = resolve_model_path(a.model)
+    if hw is None and a.profile != "none":
+        hw = load_profile()
+    prof, sources, settings, calib = _with_calibration(
+        a, path, lambda c: effective_profile(a, path, hw, calibration=c))
+    log.info("effective profile (--profile %s%s):\n%s", a.profile,
+             f", chunk calibration {calib}" if calib else "", format_profile(prof, sources))
     return settings, prof, sources
 
 
@@ -173,14 +213,22 @@ def cmd_profile(a: argparse.Namespace) -> int:
     cfg = read_config(path)
     hw = load_profile()
     user = json.loads(a.set) if a.set else None
-    prof, sources = build_profile(hw, model_bytes=_model_bytes(path),
-                                  kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
-                                  user=user)
+
+    model_bytes = _model_bytes(path)
+
+    def build(calibration):
+        return build_profile(hw, model_bytes=model_bytes,
+                             kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
+                             calibration=calibration, user=user)
+
+    prof, sources, _, calib = _with_calibration(a, path, build)
     if a.json:
         print(json.dumps(dict(hardware=profile_summary(hw), profile=profile_to_dict(prof),
-                              sources=sources), indent=2))
+                              sources=sources, calibration=str(calib) if calib else None),
+                         indent=2))
     else:
         print("hardware:", json.dumps(profile_summary(hw)))
+        print("chunk calibration:", calib or "none for these settings")
         print(format_profile(prof, sources))
     return 0
 
@@ -247,8 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default="default", help="checkpoint folder, or 'default' (embedded)")
     v.add_argument("--model-name", default=None, help="served model id (default: qwen3-tts)")
     v.add_argument("--profile", choices=["auto", "none"], default="auto",
-                   help="auto: unset flags come from the hardware probe and class file "
-                        "(see `omni-stream profile`); none: fixed defaults")
+                   help="auto: unset flags come from the hardware probe, class file and "
+                        "chunk calibration (see `omni-stream profile`); none: fixed defaults "
+                        "and the chunk calibration")
     v.add_argument("--dtype", default=None, help="fp32 or bf16 (default: from the profile)")
     v.add_argument("--device", default=None, help="cpu or cuda (default: from the profile)")
     v.add_argument("--max-streams", type=int, default=None, help="concurrent streams (talker slots)")

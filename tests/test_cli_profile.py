@@ -33,9 +33,11 @@ def _serve_args(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_serve_settings_follow_the_profile_and_flags(tiny_ckpt, monkeypatch):
+def test_serve_settings_follow_the_profile_and_flags(tiny_ckpt, monkeypatch, tmp_path):
     from omni_stream.cli import pipeline_settings
     from omni_stream.edge.probe import load_profile
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))  # no chunk calibration here
 
     # an emulated 8-core big.LITTLE ARM board: split placement, 2 threads per stage, from the profile
     hw = load_profile(env={"OMNI_STREAM_HW_PROFILE": json.dumps(
@@ -56,3 +58,88 @@ def test_serve_settings_follow_the_profile_and_flags(tiny_ckpt, monkeypatch):
     assert set(src3.values()) == {"default"}
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--dtype", "fp8"), hw)
+
+
+def _hw(override: dict):
+    from omni_stream.edge.probe import load_profile
+
+    return load_profile(env={"OMNI_STREAM_HW_PROFILE": json.dumps(override)}, use_torch=False)
+
+
+GPU = {"hardware_class": "cuda_discrete", "cuda": {"name": "H100", "total_memory_gb": 80.0,
+                                                   "unified_memory": False,
+                                                   "compute_capability": [9, 0]}}
+
+
+def test_cuda_graphs_from_the_profile_reach_the_talker_stage_spec(tiny_ckpt, monkeypatch, tmp_path):
+    """The profile's cuda_graphs (derived on for CUDA classes) is what the talker stage gets;
+    nothing turns graphs on behind the profile's back, and they are refused where they cannot
+    run (a CPU device, the split placement)."""
+    from omni_stream.cli import pipeline_settings
+    from omni_stream.orchestrator import PipelineSettings
+    from omni_stream.orchestrator.pipeline import stage_specs
+    from omni_stream.stages.proc import StageSpec
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+    s, prof, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt)), _hw(GPU))
+    assert prof.cuda_graphs and src["cuda_graphs"] == "derived"
+    assert (s.device, s.cuda_graphs) == ("cuda", True)
+    specs = stage_specs(s)
+    assert specs["talker"].cuda_graphs and not specs["codec"].cuda_graphs
+    # split placement on the GPU: the code predictor is outside the graph, so graphs are off
+    s2, prof2, _ = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--placement",
+                                                 "split"), _hw(GPU))
+    assert not prof2.cuda_graphs and not s2.cuda_graphs
+    assert not any(sp.cuda_graphs for sp in stage_specs(s2).values())
+    # a CPU box: off, and the talker does not turn them on by itself
+    s3, _, _ = pipeline_settings(_serve_args("--model", str(tiny_ckpt)),
+                                 _hw({"hardware_class": "x86_cpu"}))
+    assert not s3.cuda_graphs and not stage_specs(s3)["talker"].cuda_graphs
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        PipelineSettings(model_path="m", device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        StageSpec(model_path="m", device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="placement 'together'"):
+        PipelineSettings(model_path="m", device="cuda", cuda_graphs=True, placement="split")
+
+
+def test_cached_chunk_calibration_is_the_profiles_calibration_layer(tiny_ckpt, monkeypatch,
+                                                                    tmp_path, capsys):
+    """A chunk calibration cached for these settings shows in ``omni-stream profile`` (source
+    "calibration") and becomes the schedule ``serve`` runs with; flags still win."""
+    from omni_stream.cli import pipeline_settings
+    from omni_stream.scheduling.chunking import ChunkPolicy
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+    args = _serve_args("--model", str(tiny_ckpt))
+    s0, _, src0 = pipeline_settings(args)
+    assert src0["first_chunk"] != "calibration" and not s0.schedule_calibrated
+    path = s0.calibration_cache().store(ChunkPolicy(first=2, steady=5, min_slack_s=0.1))
+    assert path.parent == tmp_path / "calibration"
+
+    s, prof, src = pipeline_settings(args)
+    assert (prof.first_chunk, prof.steady_chunk) == (2, 5)
+    assert src["first_chunk"] == src["steady_chunk"] == "calibration"
+    assert s.schedule == ChunkPolicy(first=2, steady=5) and s.schedule_calibrated
+    assert s.calibration_fingerprint() == s0.calibration_fingerprint()
+
+    assert main(["profile", "--model", str(tiny_ckpt), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["profile"]["first_chunk"], shown["profile"]["steady_chunk"]) == (2, 5)
+    assert shown["sources"]["first_chunk"] == shown["sources"]["steady_chunk"] == "calibration"
+    assert shown["calibration"] == str(path)
+
+    # a flag wins over the calibration for its field only
+    s, _, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--steady-chunk", "7"))
+    assert (s.schedule.first, s.schedule.steady) == (2, 7) and src["steady_chunk"] == "user"
+    # --profile none: the defaults, the calibration (same deployment), the flags
+    none = _serve_args("--model", str(tiny_ckpt), "--profile", "none")
+    s, _, _ = pipeline_settings(none)
+    s.calibration_cache().store(ChunkPolicy(first=1, steady=3))
+    s, _, src = pipeline_settings(none)
+    assert s.schedule == ChunkPolicy(first=1, steady=3) and s.schedule_calibrated
+    assert src["steady_chunk"] == "calibration" and src["dtype"] == "default"
+    # a calibration the flags cannot live with (first chunk above its steady) is left out
+    s, _, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--first-chunk", "6"))
+    assert (s.schedule.first, s.schedule.steady) == (6, 8) and not s.schedule_calibrated
+    assert src["steady_chunk"] != "calibration"

@@ -82,6 +82,20 @@ def test_gpu_box_cuda_graphs_bf16_together():
     assert p.max_streams == 32  # 24 GB fits the class ceiling
 
 
+def test_cuda_graphs_only_where_the_talker_can_graph_the_step():
+    """Graphs need the code predictor inside the talker's step: a user's split placement on a
+    GPU turns the derived value off, and an explicit cuda_graphs with split is refused."""
+    p, src = _build(_machine("desktop_rtx4090", RTX_TORCH), user={"placement": "split"})
+    assert p.device == "cuda" and p.placement == "split"
+    assert not p.cuda_graphs and src["cuda_graphs"] == "derived"
+    with pytest.raises(ValueError, match="placement 'together'"):
+        _build(_machine("desktop_rtx4090", RTX_TORCH),
+               user={"placement": "split", "cuda_graphs": True})
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        DeployProfile(device="cuda", dtype="bfloat16", weight_path="bf16", placement="split",
+                      cuda_graphs=True)
+
+
 def test_jetson_unified_memory_limits_streams():
     p, src = _build(_machine("jetson_orin_nano", ORIN_TORCH), user={"max_streams": 64})
     assert p.device == "cuda" and p.cuda_graphs and not p.compile

@@ -272,25 +272,39 @@ def test_seeded_codes_under_batching(tiny_ckpt):
 
 def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     """Measured chunk arrivals calibrate the chunk policy, cached per hardware fingerprint and
-    used on the next start."""
+    deployment; the next ``serve`` puts it in the profile's calibration layer and the backend
+    runs with it (and does not calibrate again)."""
+    import dataclasses
+
+    from omni_stream.cli import build_parser, pipeline_settings
+
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
 
-    async def serve_once():
-        backend = PipelineBackend(_settings(tiny_ckpt, schedule=ChunkPolicy()))
+    async def serve_once(settings):
+        backend = PipelineBackend(settings)
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             st, _, data = await _speech(s, url, input=TEXT, response_format="pcm", seed=3,
                                         max_new_tokens=40)
             assert st == 200 and len(data) > 0
             return backend.stats()["chunk_policy_calibrated"], backend.schedule
 
-    first, sched0 = run_async(serve_once(), timeout=300)
+    first, sched0 = run_async(serve_once(_settings(tiny_ckpt, schedule=ChunkPolicy())),
+                              timeout=300)
     files = list((tmp_path / "calibration").glob("*.json"))
-    assert first == 1 and len(files) == 1
-    cached = json.loads(files[0].read_text())
-    second, sched1 = run_async(serve_once(), timeout=300)
-    assert second == 1 and sched0 == ChunkPolicy()
-    fit = ChunkPolicy.from_dict(cached["policy"])
-    assert sched1 == ChunkPolicy(first=fit.first, steady=fit.steady, growth=fit.growth)
+    assert first == 1 and sched0 == ChunkPolicy() and len(files) == 1
+    cached = files[0].read_text()
+    fit = ChunkPolicy.from_dict(json.loads(cached)["policy"])
+    # ``serve --profile none`` with the same deployment (model, dtype, slots, placement, threads)
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--profile", "none",
+                                      "--max-streams", "4"])
+    settings, prof, sources = pipeline_settings(args)
+    assert sources["first_chunk"] == sources["steady_chunk"] == "calibration"
+    assert (prof.first_chunk, prof.steady_chunk) == (fit.first, fit.steady)
+    assert settings.schedule == ChunkPolicy(first=fit.first, steady=fit.steady)
+    second, sched1 = run_async(serve_once(dataclasses.replace(
+        settings, model_name="qwen3-tts", max_seq_len=512, queue_timeout_s=60)), timeout=300)
+    assert second == 1 and sched1 == settings.schedule
+    assert files[0].read_text() == cached  # not calibrated again
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "group-term"])

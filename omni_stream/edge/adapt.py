@@ -5,7 +5,8 @@ Five layers, later ones win, and every field remembers which layer set it:
     default        model defaults (``DEFAULTS``: the ``omni-stream serve`` defaults)
     class:<name>   ``edge/classes/<hardware_class>.json`` (per-class baseline, with a comment)
     derived        computed from the probe's facts (dtype, threads, placement, KV, streams ...)
-    calibration    the cached chunk policy (first / steady chunk)
+    calibration    the cached chunk policy (first / steady chunk) that ``scheduling.calibrate``
+                   measured for this deployment (``omni-stream serve`` / ``profile`` load it)
     user           explicit flags
 
 Derived values that depend on other knobs (max streams on ``max_seq_len`` and the KV budget,
@@ -107,6 +108,9 @@ class DeployProfile:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs needs device 'cuda'; set cuda_graphs false on CPU")
+        if self.cuda_graphs and self.placement != "together":
+            raise ValueError("cuda_graphs needs placement 'together' (the split code predictor "
+                             "runs outside the graph); set cuda_graphs false")
         if self.device == "cpu" and self.dtype == "float32" and self.weight_path == "bf16":
             raise ValueError("weight_path 'bf16' needs dtype 'bfloat16'; use weight_path 'fp32'")
         if self.weight_path in LOW_BIT_WEIGHT_PATHS:
@@ -188,7 +192,9 @@ def _check_keys(values: Mapping[str, Any], what: str) -> None:
                          f"valid: {', '.join(FIELDS)}")
 
 
-def _calibration_values(calibration: Any) -> dict[str, Any]:
+def calibration_values(calibration: Any) -> dict[str, Any]:
+    """The calibration layer: ``first_chunk`` / ``steady_chunk`` of a ChunkPolicy (or a dict
+    with those keys or ChunkPolicy's names); the policy's other fields are not profile fields."""
     if calibration is None:
         return {}
     if isinstance(calibration, msgspec.Struct):  # a scheduling.ChunkPolicy
@@ -306,9 +312,9 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
                                           dtype_user=inputs.get("dtype_user")),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
-        "cuda_graphs": on_gpu,
     }
     placement = inputs.get("placement_user") or out["placement"]
+    out["cuda_graphs"] = on_gpu and placement == "together"  # the talker stage graphs the step
     threads = derive_threads(hw, device, placement)
     out.update(threads)
     out["cpu_sets"] = derive_cpu_sets(hw, {**threads, **inputs.get("threads_user", {})},
@@ -352,7 +358,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,
                                      kv_bytes_per_token=kv_bytes_per_token,
                                      free_memory_bytes=free_memory_bytes)))
-    layers.append(("calibration", _calibration_values(calibration)))
+    layers.append(("calibration", calibration_values(calibration)))
     layers.append(("user", user))
     for name, layer in layers:
         for k, v in layer.items():
@@ -389,7 +395,6 @@ def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
 
 __all__ = [
     "CLASS_DIR", "DEFAULTS", "FIELDS", "DeployProfile", "build_profile", "derive",
-    "derive_cpu_sets", "derive_memory", "derive_threads", "derive_weight_path", "format_profile",
-    "load_class_file",
-    "profile_to_dict",
+    "calibration_values", "derive_cpu_sets", "derive_memory", "derive_threads",
+    "derive_weight_path", "format_profile", "load_class_file", "profile_to_dict",
 ]

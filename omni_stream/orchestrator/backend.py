@@ -15,14 +15,12 @@ BackendError, never a hang. Finished streams also calibrate the chunk policy for
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import os
 import time
 from typing import AsyncGenerator
 
-from omni_stream.checkpoints.default import cache_dir
 from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
@@ -32,8 +30,7 @@ from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
 from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
-from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy, calibrate
-from omni_stream.scheduling.fingerprint import hardware_fingerprint
+from omni_stream.scheduling.chunking import calibrate
 from omni_stream.scheduling.limits import stream_frame_cap
 from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, FailReason, Flags,
                                    Message, MsgKind, PromptSpec, cleanup_stale)
@@ -73,21 +70,13 @@ class PipelineBackend:
                                 setting_bytes=settings.kv_budget_bytes or static_cache)
         self.adm: AdmissionController | None = None
         self.schedule = settings.schedule
-        self._calibration = CalibrationCache(
-            cache_dir() / "calibration", fingerprint=self._fingerprint())
-        self._calibrated = False
+        self._calibration = settings.calibration_cache()
+        self._calibrated = settings.schedule_calibrated
         self.sup = Supervisor(settings, self._on_audio, self._on_lost)
         self._completed = 0
         self._failed = 0
         self._invalid_codes = 0  # streams failed because a code failed its check
         self.codec_info: dict | None = None  # announced to codec-frame clients (set in start)
-
-    def _fingerprint(self) -> str:
-        """Chunk-cost calibration holds for this hardware AND this model/deployment."""
-        key = [hardware_fingerprint(), str(self.s.model_path), self.s.dtype, self.s.weight_path,
-               self.s.compile, self.s.max_streams,
-               self.s.placement, self.s.talker_threads, self.s.codec_threads]
-        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def text_tokens(self, job: SpeechJob) -> int:
         """Tokens of the text to speak (what the default frame cap follows)."""
@@ -149,13 +138,8 @@ class PipelineBackend:
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)
         log.info("KV budget: %s", self.kv.describe())
-        cached = self._calibration.load()
-        if cached is not None and self.s.schedule == ChunkPolicy():
-            self.schedule = ChunkPolicy(first=cached.first, steady=cached.steady,
-                                        growth=cached.growth)
-            self._calibrated = True
-            log.info("chunk schedule from calibration cache %s: %s", self._calibration.path,
-                     cached.to_dict())
+        log.info("chunk schedule %s%s", self.schedule.to_dict(),
+                 " (from the chunk calibration)" if self._calibrated else "")
         await asyncio.get_running_loop().run_in_executor(None, self.sup.start)
 
     def begin_shutdown(self) -> None:

@@ -24,7 +24,8 @@ from omni_stream.observability import stepstats
 from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
-from omni_stream.stages.talker_stage import StageSpec, run_talker_stage
+from omni_stream.stages.proc import StageSpec
+from omni_stream.stages.talker_stage import run_talker_stage
 from omni_stream.transport import (ChannelClosed, ControlChannel, Message, Ring, Shutdown,
                                    StatsReply)
 
@@ -33,21 +34,33 @@ log = logging.getLogger(__name__)
 MAX_RESTARTS_PER_MINUTE = 5
 
 
+def stage_specs(s: PipelineSettings) -> dict[str, StageSpec]:
+    """What each stage process runs with: 'talker', 'codec', and 'cp' with the split placement."""
+    specs = {
+        "talker": StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                            max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
+                            weight_path=s.weight_path, compile=s.compile, throttle=s.throttle,
+                            cuda_graphs=s.cuda_graphs, cpus=tuple(s.cpu_sets.get("talker", ()))),
+        "codec": StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                           threads=s.codec_threads, device=s.device,
+                           cpus=tuple(s.cpu_sets.get("codec", ()))),
+    }
+    if s.placement == "split":
+        specs["cp"] = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+                                threads=s.cp_threads, device=s.device, weight_path=s.weight_path,
+                                compile=s.compile, cpus=tuple(s.cpu_sets.get("cp", ())))
+    return specs
+
+
 class Pipeline:
     """One incarnation of the stage processes and rings (replaced whole on a crash)."""
 
     def __init__(self, s: PipelineSettings) -> None:
+        specs = stage_specs(s)
         ctx = mp.get_context("spawn")
         self.frames = Ring.create("frames", 8 << 20)
         self.audio = Ring.create("audio", 32 << 20, role="consumer")
         self.ctrl, child_ctrl = ControlChannel.pair(ctx)
-        spec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                         max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
-                         weight_path=s.weight_path, compile=s.compile,
-                         throttle=s.throttle, cpus=tuple(s.cpu_sets.get("talker", ())))
-        cspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                          threads=s.codec_threads, device=s.device,
-                          cpus=tuple(s.cpu_sets.get("codec", ())))
         self.rings = [self.frames, self.audio]
         cp_handles = None
         self.cp = None
@@ -55,16 +68,15 @@ class Pipeline:
             to_cp, from_cp = Ring.create("cp_in", 4 << 20), Ring.create("cp_out", 1 << 20)
             self.rings += [to_cp, from_cp]
             cp_handles = (to_cp.handle("producer"), from_cp.handle("consumer"))
-            pspec = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
-                              threads=s.cp_threads, device=s.device,
-                              weight_path=s.weight_path, compile=s.compile,
-                              cpus=tuple(s.cpu_sets.get("cp", ())))
             self.cp = ctx.Process(target=run_cp_stage, name="omni-code-predictor", daemon=True,
-                                  args=(pspec, to_cp.handle("consumer"), from_cp.handle("producer")))
+                                  args=(specs["cp"], to_cp.handle("consumer"),
+                                        from_cp.handle("producer")))
         self.talker = ctx.Process(target=run_talker_stage, name="omni-talker", daemon=True,
-                                  args=(spec, child_ctrl, self.frames.handle("producer"), cp_handles))
+                                  args=(specs["talker"], child_ctrl,
+                                        self.frames.handle("producer"), cp_handles))
         self.codec = ctx.Process(target=run_codec_stage, name="omni-codec", daemon=True,
-                                 args=(cspec, self.frames.handle("consumer"), self.audio.handle("producer")))
+                                 args=(specs["codec"], self.frames.handle("consumer"),
+                                       self.audio.handle("producer")))
         self.procs = [p for p in (self.talker, self.cp, self.codec) if p is not None]
         for p in self.procs:
             p.start()

@@ -1,10 +1,14 @@
-"""What one pipeline deployment runs with (``PipelineSettings``, torch-free)."""
+"""What one pipeline deployment runs with (``PipelineSettings``, torch-free), and the chunk
+calibration cache that belongs to it."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
-from omni_stream.scheduling.chunking import ChunkPolicy
+from omni_stream.checkpoints.default import cache_dir
+from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy
+from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.scheduling.limits import FrameCap
 
 
@@ -22,9 +26,14 @@ class PipelineSettings:
     default_max_frames: int = 1500  # 120 s of audio: the ceiling of the default frame cap
     frame_cap: FrameCap = field(default_factory=FrameCap)  # default cap that follows the text
     schedule: ChunkPolicy = field(default_factory=ChunkPolicy)  # audio chunk sizes per stream
+    # the schedule came from this deployment's cached chunk calibration (``omni-stream serve``
+    # puts it in the profile's calibration layer); False: the backend calibrates from its first
+    # finished stream and caches the policy for the next start
+    schedule_calibrated: bool = False
     talker_threads: int = 1
     codec_threads: int = 1
     device: str = "cpu"
+    cuda_graphs: bool = False  # talker frame step as CUDA graphs (needs cuda, placement together)
     placement: str = "together"  # talker and code predictor: "together" (one process) or "split"
     kv_budget_bytes: int | None = None  # None: exactly the static cache (slots x max_seq_len)
     max_overtakes: int = 4  # head-of-line: how often a queued request may be passed
@@ -38,3 +47,21 @@ class PipelineSettings:
             raise ValueError(f"placement must be 'together' or 'split', not {self.placement!r}")
         if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise ValueError("max_streams >= 1, max_queue >= 0 and queue_timeout_s > 0 required")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device!r}: set "
+                             "cuda_graphs False (or --device cuda)")
+        if self.cuda_graphs and self.placement != "together":
+            raise ValueError("cuda_graphs needs placement 'together' (with 'split' the code "
+                             "predictor runs in another process, outside the graph)")
+
+    def calibration_fingerprint(self) -> str:
+        """Chunk-cost calibration holds for this hardware AND this model/deployment."""
+        key = [hardware_fingerprint(), str(self.model_path), self.dtype, self.weight_path,
+               self.compile, self.max_streams,
+               self.placement, self.talker_threads, self.codec_threads]
+        return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+    def calibration_cache(self) -> CalibrationCache:
+        """Where this deployment's calibrated chunk policy is cached (``cache_dir()``)."""
+        return CalibrationCache(cache_dir() / "calibration",
+                                fingerprint=self.calibration_fingerprint())

@@ -1,12 +1,35 @@
-"""What every stage process does the same way at start-up."""
+"""What every stage process is given (``StageSpec``) and does the same way at start-up."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Picklable description of how a stage process loads and runs its model."""
+
+    model_path: str
+    dtype: str = "float32"
+    max_slots: int = 4
+    max_seq_len: int = 2048
+    threads: int = 1
+    device: str = "cpu"
+    throttle: bool = True
+    cpus: tuple[int, ...] = ()  # pin the stage to these CPUs (empty: no pinning)
+    weight_path: str | None = None  # None: weights in dtype; int8/int4: engine.quant
+    compile: bool = False  # torch.compile the decoder steps (engine.compiled)
+    cuda_graphs: bool = False  # talker: capture the frame step as CUDA graphs (engine.graphs)
+
+    def __post_init__(self) -> None:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device!r}: set "
+                             "cuda_graphs False (or --device cuda)")
 
 
 def ignore_interrupts() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,7 +42,7 @@ from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, Contr
                                    FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
                                    StatsRequest, StreamStart)
 from omni_stream.stages.faults import FaultPlan
-from omni_stream.stages.proc import start_stage
+from omni_stream.stages.proc import StageSpec, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,8 @@ class TalkerStage:
         self.builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
         self.out = out
         self.sched = TalkerScheduler(shape.max_slots, eos=model.config.talker.special.codec_eos,
-                                     invalid=INVALID, frame_audio_s=1.0 / model.config.frame_rate_hz,
+                                     invalid=INVALID,
+                                     frame_audio_s=1.0 / model.config.frame_rate_hz,
                                      throttle=throttle)
         self.faults = faults or FaultPlan()
         self.failed = 0  # streams failed in this stage (not cancelled)
@@ -258,22 +258,6 @@ class TalkerStage:
                 self.engine.last_hidden[st.slot] = float("nan")
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """Picklable description of how a stage process loads its model."""
-
-    model_path: str
-    dtype: str = "float32"
-    max_slots: int = 4
-    max_seq_len: int = 2048
-    threads: int = 1
-    device: str = "cpu"
-    throttle: bool = True
-    cpus: tuple[int, ...] = ()  # pin the stage to these CPUs (empty: no pinning)
-    weight_path: str | None = None  # None: weights in dtype; int8/int4: models.quant
-    compile: bool = False  # torch.compile the decoder steps (models.compiled)
-
-
 def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                      cp_handles: tuple | None = None) -> None:
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
@@ -292,7 +276,8 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
 
         compile_engine(stage.engine)
         warm_up(stage.engine)
-    if spec.device.startswith("cuda") and cp_handles is None:
+    if spec.cuda_graphs:  # StageSpec checked the device; the split placement is refused upstream
+        assert cp_handles is None, "CUDA graphs need the code predictor in this process"
         stage.enable_graphs()
     if cp_handles is not None:
         from omni_stream.stages.cp_stage import RemoteResidual
