@@ -1,11 +1,12 @@
 """The contract between the server and the model pipeline (the real one or ``FakeBackend``).
 
 It sits below both (``server`` and ``orchestrator`` import it; it imports nothing above
-``scheduling``), so neither side depends on the other. The server never touches the model: a handler builds a :class:`SpeechJob`, asks the backend to
-``validate`` it, then iterates ``backend.stream(job)`` and writes each :class:`AudioChunk` as it
-arrives. Everything the server needs to know about failures travels as a :class:`BackendError`
-carrying its HTTP status, so admission control (429/503 with Retry-After) lives in the backend
-and the server only maps it onto the wire.
+``scheduling``), so neither side depends on the other. The server never touches the model: a
+handler builds a :class:`SpeechJob`, asks the backend to ``validate`` it, then iterates
+``backend.stream(job)`` and writes each :class:`AudioChunk` as it arrives. Everything the
+server needs to know about failures travels as a :class:`BackendError` carrying its HTTP
+status, so admission control (429/503 with Retry-After) lives in the backend and the server
+only maps it onto the wire.
 
 Cancellation contract: when the client goes away the server stops iterating and closes the
 generator, either with ``aclose()`` (GeneratorExit at the backend's current ``yield``) or by
