@@ -200,7 +200,7 @@ def test_a_poisoned_row_is_invalid_and_leaves_the_others_and_its_slot_clean(synt
                 eng.scrub(1)
             for i in (0, 2):
                 np.testing.assert_array_equal(codes[i].numpy(), clean[i][f])
-        assert all(bool(torch.isfinite(k[1]).all()) for k, _ in eng.caches)
+        assert all(bool(torch.isfinite(k[1]).all()) for k, _ in eng.kv.layers)
         # the scrubbed slot takes a new stream while slot 0 and 2 keep running
         p = builder.build(REQS[1])
         eng.prefill(1, p.embeds, p.trailing, params, 99)

@@ -38,14 +38,14 @@ def test_released_talker_geometry_prices_exactly(preset):
 
 def test_price_matches_the_engine_allocation():
     torch = pytest.importorskip("torch")
-    from omni_stream.models.layers import new_caches
+    from omni_stream.engine.step import KVCache
 
     cfg = ModelConfig.from_dicts(model_config_dict("tiny", "custom_voice"), codec_config_dict("tiny"))
-    caches = new_caches(cfg.talker.lm, 3, 40, torch.bfloat16)
+    caches = KVCache(cfg.talker.lm, 3, 40, torch.bfloat16).layers
     allocated = sum(k.nbytes + v.nbytes for k, v in caches)
     cost = kv_bytes_per_token(cfg, torch.bfloat16)
     assert allocated == 3 * 40 * cost.flat_per_token
-    cp = new_caches(cfg.talker.code_predictor, 3, cfg.talker.num_code_groups, torch.bfloat16)
+    cp = KVCache(cfg.talker.code_predictor, 3, cfg.talker.num_code_groups, torch.bfloat16).layers
     assert sum(k.nbytes + v.nbytes for k, v in cp) == code_predictor_scratch_bytes(
         cfg, 3, dtype_bytes=torch.bfloat16)
 

@@ -1,6 +1,6 @@
 """torch.compile of the decoder steps, with the compiled kernels cached across restarts.
 
-What is compiled: the talker's and the code predictor's ``DecoderStack.run`` (layers, norms,
+What is compiled: the talker's and the code predictor's ``DecoderStack.forward`` (the decode step, ``engine/step.py``) (layers, norms,
 rotary, attention, the low-bit matmuls as external calls), with dynamic shapes so one graph
 serves every batch size, prompt length and live cache length. Sampling stays eager (it is a
 handful of ops per frame).
@@ -51,12 +51,12 @@ def compile_engine(engine) -> None:
     setup_cache()
     import torch._dynamo.config as dynamo_config
 
-    # the talker and the code predictor share DecoderStack.run's code object, and so its limit
-    # of compiled variants (8 by default): past it dynamo falls back to eager without a word
+    # the talker and the code predictor share DecoderStack.forward's code object, and so its
+    # limit of compiled variants (8 by default): past it dynamo falls back to eager without a word
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     for stack in (engine.talker.model, engine.talker.code_predictor.model):
         if not getattr(stack, "_omni_compiled", False):
-            stack.run = torch.compile(stack.run, dynamic=True)
+            stack.forward = torch.compile(stack.forward, dynamic=True)
             stack._omni_compiled = True
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_stream.config import TalkerConfig
-from omni_stream.models.layers import new_caches, rope_tables
+from omni_stream.engine.step import KVCache, Rope, run_step
 from omni_stream.engine.sampling import (INVALID, SamplingParams, SlotSampling, apply_repetition_penalty,
                                          candidates_needed, sample)
 from omni_stream.models.talker import Talker
@@ -68,10 +68,10 @@ class FrameEngine:
         cdtype = cache_dtype or wdtype
         lm, cp = self.cfg.lm, self.cfg.code_predictor
         s = shape.max_slots
-        self.caches = new_caches(lm, s, shape.max_seq_len, cdtype, self.device)
-        self.cp_caches = new_caches(cp, s, self.cfg.num_code_groups, cdtype, self.device)
-        self.rope = tuple(t.to(self.device) for t in rope_tables(lm.head_dim, lm.rope_theta, shape.max_seq_len))
-        self.cp_rope = tuple(t.to(self.device) for t in rope_tables(cp.head_dim, cp.rope_theta, self.cfg.num_code_groups + 1))
+        self.kv = KVCache(lm, s, shape.max_seq_len, cdtype, self.device)
+        self.cp_kv = KVCache(cp, s, self.cfg.num_code_groups, cdtype, self.device)
+        self.rope = Rope(lm, shape.max_seq_len, self.device)
+        self.cp_rope = Rope(cp, self.cfg.num_code_groups + 1, self.device)
         dev = self.device
         self.pos = torch.zeros(s, dtype=torch.int64, device=dev)
         self.last_hidden = torch.zeros(s, lm.hidden_size, dtype=wdtype, device=dev)
@@ -131,9 +131,8 @@ class FrameEngine:
             raise ValueError(f"slot {slot} holds {int(self.pos[slot])} prompt positions, not {start}")
         x = embeds.to(self.dtype).unsqueeze(0)
         pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        rows = torch.zeros_like(pos)
-        caches = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in self.caches]
-        hidden = self.talker.model.run(x, pos, rows, caches, start + t, self.rope)[:, -1]  # [1, C]
+        hidden = run_step(self.talker.model, self.kv, self.rope, x, pos, slice(slot, slot + 1),
+                          self._arange[slot:slot + 1], start)[:, -1]  # [1, C]
         self.pos[slot] = start + t
         if not final:
             return None
@@ -185,13 +184,8 @@ class FrameEngine:
         (a NaN in a masked cache position still reaches attention as 0 * NaN), last hidden
         state, text-track rows and codes. Idle rows inside a batch then compute finite values."""
         self.release(slot)
-        n = int(self.pos[slot]) + 1
-        for k, v in self.caches:
-            k[slot, :, :n].zero_()
-            v[slot, :, :n].zero_()
-        for k, v in self.cp_caches:
-            k[slot].zero_()
-            v[slot].zero_()
+        self.kv.clear(slot, int(self.pos[slot]) + 1)
+        self.cp_kv.clear(slot)
         self.last_hidden[slot] = 0
         self.last_code0[slot] = 0
         self.trailing[slot] = self.pad_row
@@ -230,14 +224,14 @@ class FrameEngine:
         cpm = self.talker.code_predictor
         proj = cpm.small_to_mtp_projection
         g, size = self.cfg.num_code_groups, self.codebook_size
-        caches = [(k[:p], v[:p]) for k, v in self.cp_caches]
-        rows = self._arange[:p].unsqueeze(1)
+        rows, idx = slice(0, p), self._arange[:p]
         sp = self.cp_sp.rows(p)
         cand = max(self._cand_cp[:p])
         code0 = self.last_code0[:p].clamp(0, self.cfg.lm.vocab_size - 1)
         x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(code0)), dim=1)
         x = proj(x)  # [p, 2, Ccp]
-        h = cpm.model.run(x, self._cp_pos0[:p], rows.expand(p, 2), caches, 2, self.cp_rope)[:, -1]
+        # a fresh cache per frame: the 2-token prefill attends nothing cached
+        h = run_step(cpm.model, self.cp_kv, self.cp_rope, x, self._cp_pos0[:p], rows, idx, 0)[:, -1]
         out = []
         for j in range(g - 1):
             logits = cpm.lm_head[j](h).float()
@@ -247,7 +241,8 @@ class FrameEngine:
             if j == g - 2:
                 break
             x = proj(cpm.model.codec_embedding[j](code.clamp(0, size - 1))).unsqueeze(1)  # [p, 1, Ccp]
-            h = cpm.model.run(x, self._cp_pos[j + 2][:p], rows, caches, j + 3, self.cp_rope)[:, -1]
+            h = run_step(cpm.model, self.cp_kv, self.cp_rope, x, self._cp_pos[j + 2][:p], rows, idx,
+                         j + 2)[:, -1]
         codes = torch.stack(out, dim=1)  # [p, G-1]
         ok = ((codes >= 0) & (codes < size)).all(dim=1, keepdim=True)  # validation at the source
         return torch.where(ok, codes, torch.full_like(codes, INVALID))
@@ -267,14 +262,13 @@ class FrameEngine:
         x = torch.stack(embeds, dim=1).sum(1)  # [p, C]
         idx = torch.minimum(self.gen_step[:p], self.trailing_len[:p])
         x = x + self.trailing[self._arange[:p], idx]
-        pos = self.pos[:p].unsqueeze(1)
-        rows = self._arange[:p].unsqueeze(1)
-        caches = [(k[:p], v[:p]) for k, v in self.caches]
+        pos = self.pos[:p]
         if self.static_live:
             live = self.shape.max_seq_len
         else:  # the one deliberate host sync per frame: attend only over the live prefix
-            live = int(self.pos[:p].max()) + 1
-        hidden = t.model.run(x.unsqueeze(1), pos, rows, caches, live, self.rope)[:, -1]
+            live = int(pos.max())
+        hidden = run_step(t.model, self.kv, self.rope, x.unsqueeze(1), pos.unsqueeze(1),
+                          slice(0, p), self._arange[:p], live, valid=pos)[:, -1]
         self.last_hidden[:p] = hidden
         # only running slots advance; idle ones rewrite the same (unused) position
         act = self.active[:p].long()

@@ -15,7 +15,7 @@ missing ``head_dim`` -> hidden / heads, missing kv heads -> attention heads (MHA
 cache), an unknown layer type -> full attention.
 
 Our talker engine preallocates a static cache of ``max_slots x max_seq_len`` positions per layer
-(``models/layers.new_caches``), so the budget first decides how many slots to allocate
+(``engine/step.KVCache``), so the budget first decides how many slots to allocate
 (``plan_slots``); per-stream needs are then what admission sums against the same budget.
 """
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_stream.edge.export.step import LAYOUTS, StepError, _swap_halves
+from omni_stream.edge.export.step import LAYOUTS, StepError
+from omni_stream.models.layers import swap_halves as _swap_halves
 
 
 class Code2WavStep(nn.Module):
@@ -122,7 +123,8 @@ class Code2WavStep(nn.Module):
 
     def forward(self, codes: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 mask: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from omni_stream.models.code2wav import CausalConv1d, CausalTransConv1d, ConvNeXtBlock, DecoderBlock, ResidualUnit, SnakeBeta
+        from omni_stream.models.code2wav_blocks import (CausalConv1d, CausalTransConv1d, ConvNeXtBlock,
+                                                        DecoderBlock, ResidualUnit, SnakeBeta)
 
         m = self.model
         kv = state[: 2 * self.n_layers]

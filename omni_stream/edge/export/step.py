@@ -1,6 +1,7 @@
-"""One static decode step of a Qwen3 decoder stack (talker or code predictor), export-ready.
+"""The decode step of a Qwen3 decoder stack (talker or code predictor) as a static ONNX graph.
 
-The step computes ONE token with every piece of state passed in and out explicitly:
+This is ``DecoderStack.forward`` (``models/layers.py``), the one step formulation the native
+engine runs too, at batch 1 and one token, with every piece of state passed in and out:
 
     inputs   x [1, 1, C_in]                 input embedding of the token
              rope_cos, rope_sin [1, 1, 1, D] rotary angles of its position (sin sign-folded, below)
@@ -29,8 +30,6 @@ Rotary: ``rope_sin`` carries the rotate-half sign, ``[-sin(a), sin(a)]``, so the
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -67,16 +66,6 @@ def check_stack(stack: nn.Module, where: str) -> None:
                             "layers (q/k norm, GQA, SwiGLU) can be exported")
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # x * x rather than pow: Mul is on every NPU op list
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
-
-
 class DecoderStep(nn.Module):
     """One-token step over a ``DecoderStack`` (weights shared with it, fp32).
 
@@ -99,10 +88,7 @@ class DecoderStep(nn.Module):
         self.emit_hidden = emit_hidden
         self.n_layers = cfg.num_hidden_layers
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.group = self.n_heads // self.n_kv
-        self.eps = cfg.rms_norm_eps
         self.rope_theta = cfg.rope_theta
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.multi_head = len(heads) > 1
         # heads stored [n, C, V] so logits are a MatMul without a transposed weight
         w = torch.stack([h.detach().float().t() for h in heads])
@@ -149,49 +135,27 @@ class DecoderStep(nn.Module):
         return tuple(args)
 
     # -------------------------------------------------------------- the step
-    def _attention(self, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, kv, d, g = self.n_heads, self.n_kv, self.head_dim, self.group
-        q = _rms(attn.q_proj(x).reshape(1, 1, h, d), attn.q_norm.weight, attn.q_norm.eps)
-        k = _rms(attn.k_proj(x).reshape(1, 1, kv, d), attn.k_norm.weight, attn.k_norm.eps)
-        v = attn.v_proj(x).reshape(1, kv, 1, d)  # [1, Hkv, 1, D] (T = 1: a reshape, no transpose)
-        q = q * cos + _swap_halves(q) * sin
-        k = k * cos + _swap_halves(k) * sin
-        q = q.reshape(1, kv, g, d) * self.scale  # GQA: query heads grouped by their kv head
-        k_new = k.reshape(1, kv, d, 1)  # [1, Hkv, D, 1] (T = 1: transposed by a reshape)
-        n = self.cache_len
-        if self.layout == "roll":
-            keys = torch.cat((past_k, k_new), dim=-1)  # [1, Hkv, D, N]
-            values = torch.cat((past_v, v), dim=2)  # [1, Hkv, N, D]
-            p = torch.softmax(torch.matmul(q, keys) + mask, dim=-1)  # [1, Hkv, G, N]
-            out = torch.matmul(p, values)
-            k_out, v_out = keys[..., 1:], values[:, :, 1:]
-        else:
-            scores = torch.cat((torch.matmul(q, past_k), torch.matmul(q, k_new)), dim=-1)
-            p = torch.softmax(scores + mask, dim=-1)  # one fused softmax over [cache ++ self]
-            out = torch.matmul(p[..., :n], past_v) + p[..., n:] * v
-            k_out, v_out = k_new, v
-        out = attn.o_proj(out.reshape(1, 1, h * d))
-        return out, k_out, v_out
-
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The stack's own decode step (``DecoderStack.forward``, the one formulation every
+        backend runs) at batch 1, one token, keys stored transposed; the layout decides what
+        state goes out: the new entries (ring) or the shifted window (roll)."""
         if self.multi_head:
             head, caches = rest[0], rest[1:]
         else:
             head, caches = None, rest
         h = self.in_proj(x)  # [1, 1, C]
+        d = self.head_dim
+        past = [(caches[2 * i], caches[2 * i + 1]) for i in range(self.n_layers)]
+        hn, new = self.stack(h, rope_cos.reshape(1, 1, d), rope_sin.reshape(1, 1, d), mask, past,
+                             keys_transposed=True)
         new_state: list[torch.Tensor] = []
-        for i, layer in enumerate(self.stack.layers):
-            ln = layer.input_layernorm
-            a, k_out, v_out = self._attention(layer.self_attn, _rms(h, ln.weight, ln.eps), rope_cos,
-                                              rope_sin, mask, caches[2 * i], caches[2 * i + 1])
-            h = h + a
-            ln2 = layer.post_attention_layernorm
-            h = h + layer.mlp(_rms(h, ln2.weight, ln2.eps))
-            new_state += [k_out, v_out]
-        hn = _rms(h, self.stack.norm.weight, self.stack.norm.eps)  # [1, 1, C]
+        for (pk, pv), (k, v) in zip(past, new):
+            k_t = k.reshape(1, self.n_kv, d, 1)  # [1, Hkv, D, 1] (T = 1: transposed by a reshape)
+            if self.layout == "roll":
+                new_state += [torch.cat((pk, k_t), dim=-1)[..., 1:], torch.cat((pv, v), dim=2)[:, :, 1:]]
+            else:
+                new_state += [k_t, v]
         if self.multi_head:
             w = torch.index_select(self.head_w, 0, head)  # [1, C, V]
             logits = torch.matmul(hn, w).reshape(1, -1)
