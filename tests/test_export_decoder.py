@@ -174,15 +174,17 @@ class _Out:
     def __init__(self) -> None:
         self.sent: list[tuple[int, int, object, int]] = []
 
-    def put(self, payload, *, kind, stream_id, flags=0, **kw) -> None:
+    def put(self, payload, *, kind, stream_id, flags=0, **kw) -> bool:
         self.sent.append((stream_id, int(kind), payload, int(flags)))
+        return True  # taken (the stage fails a stream whose chunk the ring refuses)
 
 
 def test_codec_frame_streams_follow_the_audio_chunk_schedule(codec, monkeypatch):
     """A codes-only stream fed the same frames as an audio stream is cut into the same chunks
     and ends (END flag) on the same chunk; its chunks are the frames themselves."""
+    from omni_stream.scheduling.chunking import ChunkPolicy
     from omni_stream.stages import codec_stage
-    from omni_stream.transport import Flags, Message, MsgKind
+    from omni_stream.transport import Flags, Message, MsgKind, StreamStart
 
     clock = types.SimpleNamespace(t=100.0)
     # one fake clock for arrivals and decode timing: the chunk decisions depend on it alone
@@ -194,9 +196,10 @@ def test_codec_frame_streams_follow_the_audio_chunk_schedule(codec, monkeypatch)
     def msg(kind, sid, flags=0, payload=None):
         return Message(int(kind), int(flags), sid, 0, 0, payload, 0, 0, 0, 0)
 
-    for sid, codes_only in ((1, 1), (2, 0)):  # schedule: first 1, growth x2, steady 4
-        stage.on_message(msg(MsgKind.EVENT, sid, Flags.FIRST,
-                             np.array([1, 2000, 4, codes_only, 7], dtype=np.int64)))
+    policy = ChunkPolicy(first=1, steady=4, growth=2.0)
+    for sid, codes_only in ((1, True), (2, False)):
+        start = StreamStart(policy, codes_only=codes_only, input_tokens=7)
+        stage.on_message(msg(MsgKind.EVENT, sid, Flags.FIRST, start.to_payload()))
     frames = np.random.default_rng(0).integers(0, 2048, (19, 16), dtype=np.int64)
     for i, f in enumerate(frames):
         for sid in (1, 2):
