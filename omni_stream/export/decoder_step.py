@@ -4,9 +4,10 @@
 for the server (fixed batch slots, no allocation) but cannot be exported: an exported program
 for a phone must take the stream's state as inputs and hand the next state back as outputs.
 ``DecoderStep`` runs the very same layers (so the math cannot drift from the server's decoder)
-and gives them, instead of the slot tensors, stand-ins whose reads return the current state and
-whose in-place writes are recorded as the new state. The result is a function of its inputs
-only, which ``torch.export`` traces into a program with explicit state in and out.
+with an ``ExplicitState`` in place of the slot state: the modules reach their state only through
+``_Step.advance/tail/kv``, which here read the given tensors and keep the updates as the new
+state. The result is a function of its inputs only, which ``torch.export`` traces into a
+program with explicit state in and out.
 
 State layout (one stream, leading dim 1), in the order of the program's inputs after ``codes``:
 ``pos [1]`` int64, then per transformer layer ``keys``, then per layer ``values``
@@ -22,51 +23,44 @@ import torch
 from torch import Tensor, nn
 
 from omni_stream.models.code2wav import Code2Wav, Code2WavState
+from omni_stream.models.code2wav_blocks import _Step
 
-__all__ = ["DecoderStep", "StateSpec", "state_specs", "flatten_state", "initial_state"]
-
-
-class _Slot:
-    """Stands in for one state tensor of a single-slot stream. ``Code2Wav`` reads a slot with
-    ``index_select(0, idx)`` and writes it with ``index_copy_(0, idx, new)``; here the read
-    returns the input tensor and the write keeps ``new`` as the output."""
-
-    def __init__(self, t: Tensor) -> None:
-        self.t = t
-        self.new: Tensor | None = None
-
-    def index_select(self, dim: int, idx: object) -> Tensor:
-        return self.t
-
-    def index_copy_(self, dim: int, idx: object, src: Tensor) -> "_Slot":
-        self.new = src
-        return self
+__all__ = ["DecoderStep", "ExplicitState", "StateSpec", "state_specs", "flatten_state", "initial_state"]
 
 
-class _SlotState:
-    """Duck-typed ``Code2WavState`` whose tensors are ``_Slot`` stand-ins."""
+class ExplicitState(_Step):
+    """One stream's Code2Wav state as explicit tensors, for the modules' ``_Step`` calls: reads
+    return the given tensors, writes are kept as the next state (``outputs``). Nothing is
+    written in place, so a step over it is a pure function that ``torch.export`` can trace."""
 
     def __init__(self, pos: Tensor, keys: list[Tensor], values: list[Tensor],
                  tails: list[Tensor]) -> None:
-        self.pos = _Slot(pos)
-        self.keys = [_Slot(t) for t in keys]
-        self.values = [_Slot(t) for t in values]
-        self.tails = [_Slot(t) for t in tails]
+        self.pos, self.keys, self.values, self.tails = pos, list(keys), list(values), list(tails)
+        self.new_pos: Tensor | None = None
+        self.new_keys: list[Tensor | None] = [None] * len(self.keys)
+        self.new_values: list[Tensor | None] = [None] * len(self.values)
+        self.new_tails: list[Tensor | None] = [None] * len(self.tails)
+
+    def advance(self, t: int) -> Tensor:
+        self.new_pos = self.pos + t
+        return self.pos
+
+    def tail(self, state_id: int, x: Tensor, keep: int) -> Tensor:
+        xx = torch.cat([self.tails[state_id], x], dim=-1)
+        self.new_tails[state_id] = xx[..., xx.shape[-1] - keep:]
+        return xx
+
+    def kv(self, layer_id: int, k: Tensor, v: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+        past_k, past_v = self.keys[layer_id], self.values[layer_id]
+        kk, vv = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.new_keys[layer_id] = kk[:, :, kk.shape[2] - keep:]
+        self.new_values[layer_id] = vv[:, :, vv.shape[2] - keep:]
+        return past_k, past_v
 
     def outputs(self) -> list[Tensor]:
-        out = []
-        for s in (self.pos, *self.keys, *self.values, *self.tails):
-            assert s.new is not None, "a state tensor was not written by the step"
-            out.append(s.new)
+        out = [self.new_pos, *self.new_keys, *self.new_values, *self.new_tails]
+        assert all(t is not None for t in out), "a state tensor was not written by the step"
         return out
-
-
-@dataclass
-class _FunctionalStep:
-    """What ``Code2Wav`` modules read from a streaming call (``state``, ``idx``)."""
-
-    state: _SlotState
-    idx: None = None
 
 
 @dataclass(frozen=True)
@@ -110,10 +104,9 @@ class DecoderStep(nn.Module):
     def forward(self, codes: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
         n, t = self.num_layers, self.num_tails
         assert len(state) == 1 + 2 * n + t, f"expected {1 + 2 * n + t} state tensors"
-        slots = _SlotState(state[0], list(state[1:1 + n]), list(state[1 + n:1 + 2 * n]),
-                           list(state[1 + 2 * n:]))
-        wav = self.model._run(codes, _FunctionalStep(slots))  # [1, n * spf]
-        return (wav, *slots.outputs())
+        st = ExplicitState(state[0], state[1:1 + n], state[1 + n:1 + 2 * n], state[1 + 2 * n:])
+        wav = self.model._run(codes, st)  # [1, n * spf]
+        return (wav, *st.outputs())
 
 
 @torch.no_grad()

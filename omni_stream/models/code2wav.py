@@ -94,10 +94,13 @@ class Code2Wav(nn.Module):
             raise ValueError(f"codes must lie in [0, {size}) (codebook_size), got values in [{lo}, {hi}]")
         return codes.long()
 
-    def _run(self, codes: Tensor, step: _Step | None) -> Tensor:  # [B, Q, T] -> [B, T*spf]
+    def _run(self, codes: Tensor, step: _Step | None, cos: Tensor | None = None,
+             sin: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        """[B, Q, T] -> [B, T*spf]. ``cos``/``sin``/``mask``: the transformer's rotary angles and
+        mask when the caller computes them (``DecoderTransformer.forward``); else derived here."""
         h = self.quantizer.decode(codes)  # [B, codebook_dim, T]
         h = self.pre_conv(h, step).transpose(1, 2)  # [B, T, latent]
-        h = self.pre_transformer(h, step).transpose(1, 2)  # [B, latent, T]
+        h = self.pre_transformer(h, step, cos, sin, mask).transpose(1, 2)  # [B, latent, T]
         for blocks in self.upsample:
             for m in blocks:
                 h = m(h, step)

@@ -49,18 +49,39 @@ class Code2WavState:
 
 @dataclass
 class _Step:
-    """What a streaming call threads through the modules: the state and the slots it touches."""
+    """What a streaming call threads through the modules: the state and the slots it touches.
+
+    The modules reach the state only through the three methods below, so an exporter can stand
+    in a subclass that takes the state as explicit inputs and returns the update as outputs
+    (``omni_stream/export/code2wav_step.py``) and run these very modules."""
 
     state: Code2WavState
     idx: Tensor  # [s] int64 slot index per batch row
+    keys_transposed = False  # past keys as [s, H_kv, D, W-1] (NPU graphs) instead of [.., W-1, D]
 
+    def advance(self, t: int) -> Tensor:
+        """The selected slots' positions [s] before this call's ``t`` frames; moves them on."""
+        p = self.state.pos.index_select(0, self.idx)
+        self.state.pos.index_copy_(0, self.idx, p + t)
+        return p
 
-def _take_tail(step: _Step, state_id: int, x: Tensor, keep: int) -> Tensor:
-    """Return ``tail ++ x`` for the selected slots and store its last ``keep`` columns back."""
-    buf = step.state.tails[state_id]
-    xx = torch.cat([buf.index_select(0, step.idx), x], dim=-1)
-    buf.index_copy_(0, step.idx, xx[..., xx.shape[-1] - keep:])
-    return xx
+    def tail(self, state_id: int, x: Tensor, keep: int) -> Tensor:
+        """Return ``tail ++ x`` for the selected slots and store its last ``keep`` columns back."""
+        buf = self.state.tails[state_id]
+        xx = torch.cat([buf.index_select(0, self.idx), x], dim=-1)
+        buf.index_copy_(0, self.idx, xx[..., xx.shape[-1] - keep:])
+        return xx
+
+    def kv(self, layer_id: int, k: Tensor, v: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer_id``'s past keys/values of the selected slots (for attention over
+        ``[past ++ new]``); stores the last ``keep`` entries of ``[past ++ new]`` back.
+        k, v [s, H_kv, T, D] are the new frames' rotated keys and values."""
+        kb, vb = self.state.keys[layer_id], self.state.values[layer_id]
+        past_k, past_v = kb.index_select(0, self.idx), vb.index_select(0, self.idx)
+        kk, vv = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        kb.index_copy_(0, self.idx, kk[:, :, kk.shape[2] - keep:])
+        vb.index_copy_(0, self.idx, vv[:, :, vv.shape[2] - keep:])
+        return past_k, past_v
 
 
 # Streaming kernel choice. Layers at least this wide see <= 32 columns per frame, so a streaming
@@ -110,7 +131,7 @@ class CausalConv1d(nn.Module):
             return self.conv(x)
         if step is None:
             return self.conv(F.pad(x, (self.context, 0)))
-        xx = _take_tail(step, self.state_id, x, self.context)
+        xx = step.tail(self.state_id, x, self.context)
         if self.gemm:
             return _conv1d_gemm(xx, self.conv.weight, self.conv.bias, self.dilation)
         return self.conv(xx)
@@ -138,7 +159,7 @@ class CausalTransConv1d(nn.Module):
             y = self.conv(x)
             return y[..., : y.shape[-1] - self.trim]
         if self.context:
-            x = _take_tail(step, self.state_id, x, 1)  # [prev column ++ new columns]
+            x = step.tail(self.state_id, x, 1)  # [prev column ++ new columns]
         if self.gemm:
             return _conv_transpose1d_gemm(x, self.conv.weight, self.conv.bias, self.stride)
         if self.context == 0:
@@ -236,12 +257,9 @@ class SlidingWindowAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past_k = past_v = None
         if step is not None:  # keys/values are [window-1 cached ++ T new]; keep the last W-1
-            kb, vb = step.state.keys[self.layer_id], step.state.values[self.layer_id]
-            past_k, past_v = kb.index_select(0, step.idx), vb.index_select(0, step.idx)
-            kk, vv = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            kb.index_copy_(0, step.idx, kk[:, :, kk.shape[2] - self.cache_len:])
-            vb.index_copy_(0, step.idx, vv[:, :, vv.shape[2] - self.cache_len:])
-        o = attend(q, k, v, past_k, past_v, mask, self.head_dim ** -0.5)
+            past_k, past_v = step.kv(self.layer_id, k, v, self.cache_len)
+        o = attend(q, k, v, past_k, past_v, mask, self.head_dim ** -0.5,
+                   keys_transposed=step is not None and step.keys_transposed)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -272,25 +290,33 @@ class DecoderTransformer(nn.Module):
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.window, self.head_dim, self.theta = cfg.sliding_window, cfg.head_dim, cfg.rope_theta
 
-    def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, T, latent]
+    def forward(self, x: Tensor, step: _Step | None = None, cos: Tensor | None = None,
+                sin: Tensor | None = None, mask: Tensor | None = None) -> Tensor:  # [B, T, latent]
+        """``cos``, ``sin`` [B, 1, T, D] (sign-folded sin) and the additive ``mask`` [B, 1, T, K]
+        over the keys, all given or none: a caller that computes them (an NPU runtime) owns the
+        positions, and the step's positions are then neither read nor moved."""
+        if cos is None:
+            cos, sin, mask = self._angles_and_mask(x, step)
+        h = self.input_proj(x)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, step)
+        return self.output_proj(self.norm(h))
+
+    def _angles_and_mask(self, x: Tensor, step: _Step | None) -> tuple[Tensor, Tensor, Tensor]:
         t, dev, w = x.shape[1], x.device, self.window
         ar = torch.arange(t, device=dev)
         if step is None:  # query i sees keys j with i - w < j <= i
             pos = ar[None]
             mask = ((ar[None, :] <= ar[:, None]) & (ar[None, :] > ar[:, None] - w))[None, None]  # [1, 1, T, T]
         else:  # keys are [w-1 cached ++ t new]; key j has absolute position p - (w-1) + j
-            p = step.state.pos.index_select(0, step.idx)  # [s]
+            p = step.advance(t)  # [s]
             pos = p[:, None] + ar  # [s, T]
             j = torch.arange(w - 1 + t, device=dev)
             mask = (j >= ar[:, None]) & (j <= ar[:, None] + (w - 1))  # [T, w-1+T]
             mask = (mask & (j >= (w - 1) - p[:, None, None]))[:, None]  # [s, 1, T, w-1+T]
-            step.state.pos.index_copy_(0, step.idx, p + t)
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=dev).masked_fill(~mask, float("-inf"))
         cos, sin = (a.unsqueeze(1) for a in rope_angles(pos, self.head_dim, self.theta, x.dtype))
-        h = self.input_proj(x)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, step)
-        return self.output_proj(self.norm(h))
+        return cos, sin, mask
 
 
 # ---------------------------------------------------------------- quantizer
