@@ -117,7 +117,7 @@ class ProgramDecoder(FrameDecoder):
 
     def __init__(self, manifest: str | Path, require_format: str | None = None,
                  threads: int | None = None) -> None:
-        from omni_stream.export.runtime import load_program
+        from omni_stream.export.runtime_torch import load_program
 
         try:
             self.manifest = m = Manifest.read(manifest)

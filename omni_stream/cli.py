@@ -234,7 +234,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def cmd_export_decoder(a: argparse.Namespace) -> int:
-    from omni_stream.export.decoder import ExportError, export_program
+    from omni_stream.export.torch_program import ExportError, export_program
     from omni_stream.export.manifest import ManifestError
     from omni_stream.checkpoints.default import resolve_model_path
 
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_stream.observability.report import add_stats_parser
 
     add_stats_parser(sub)
-    from omni_stream.edge.export.cli import add_export_parser
+    from omni_stream.export.cli import add_export_parser
 
     add_export_parser(sub)
     return p

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from omni_stream.cli import main as cli_main
-from omni_stream.export.decoder_step import DecoderStep, run_steps, state_specs
+from omni_stream.export.code2wav_step import DecoderStep, run_steps, state_specs
 from omni_stream.evaluation.metrics import snr_db
-from omni_stream.export.decoder import ExportError, export_program
+from omni_stream.export.torch_program import ExportError, export_program
 from omni_stream.export.manifest import Manifest, ManifestError, codec_identity, file_sha256
 from omni_stream.checkpoints.io import load_codec
 from omni_stream.models.code2wav import Code2WavStream
@@ -95,8 +95,8 @@ def test_pt2_program_decodes_exactly_at_any_chunking(pt2_dir, codec, codes):
 
 def test_export_self_check_catches_a_wrong_program(codec):
     """The exporter's verify step is what stands between a broken lowering and a manifest."""
-    from omni_stream.export.decoder import verify
-    from omni_stream.export.decoder_step import DecoderStep
+    from omni_stream.export.torch_program import verify
+    from omni_stream.export.code2wav_step import DecoderStep
 
     step = DecoderStep(codec).eval()
 

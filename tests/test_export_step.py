@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from omni_stream.cli import main as cli_main
-from omni_stream.edge.export.exporter import load_decoder, spec_of
-from omni_stream.edge.export.ops import NPU_OPS, OpCheckError, check_ops, lint, sanitize
-from omni_stream.edge.export.parity import compare_logits, record_eager, replay_code_predictor, replay_talker
-from omni_stream.edge.export.runtime import OrtRunner, StepCache, StepSpec, TorchRunner
-from omni_stream.edge.export.step import DecoderStep, StepError, code_predictor_step, talker_step
+from omni_stream.export.onnx_export import load_decoder, spec_of
+from omni_stream.export.onnx_ops import NPU_OPS, OpCheckError, check_ops, lint, sanitize
+from omni_stream.export.onnx_parity import compare_logits, record_eager, replay_code_predictor, replay_talker
+from omni_stream.export.runtime_onnx import OrtRunner, StepCache, StepSpec, TorchRunner
+from omni_stream.export.onnx_step import DecoderStep, StepError, code_predictor_step, talker_step
 from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
 
@@ -188,7 +188,7 @@ def test_sanitizer_removes_guards_allowzero_and_scalar_axes():
 
 # ------------------------------------------------------------------------------ quantized
 def test_quantized_variants_fidelity(export_dir, history, model):
-    from omni_stream.edge.export.quantize import calibration_feeds, quantize_step
+    from omni_stream.export.onnx_quantize import calibration_feeds, quantize_step
 
     feeds = calibration_feeds(model, "ring", TALKER_CONTEXT, 16, frames=16)
     report = {}

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from omni_stream.evaluation.metrics import snr_db  # noqa: E402
-from omni_stream.export.decoder import export_program
+from omni_stream.export.torch_program import export_program
 from omni_stream.export.manifest import Manifest, ManifestError, codec_identity
-from omni_stream.export.runtime import load_program
+from omni_stream.export.runtime_torch import load_program
 from omni_stream.checkpoints.io import load_codec
 from omni_stream.models.code2wav import Code2WavStream
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni_stream.edge.export.exporter import build_step, export_module
-from omni_stream.edge.export.parity import compare_logits, record_eager, replay_code_predictor, replay_talker
-from omni_stream.edge.export.quantize import CALIBRATION_TEXTS, calibration_feeds, quantize_step
-from omni_stream.edge.export.runtime import OrtRunner, StepCache, StepSpec
+from omni_stream.export.onnx_export import build_step, export_module
+from omni_stream.export.onnx_parity import compare_logits, record_eager, replay_code_predictor, replay_talker
+from omni_stream.export.onnx_quantize import CALIBRATION_TEXTS, calibration_feeds, quantize_step
+from omni_stream.export.runtime_onnx import OrtRunner, StepCache, StepSpec
 from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
 from omni_stream.scheduling.fingerprint import fingerprint_info

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "FORMATS", "Manifest", "ManifestError",
+__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "FORMATS", "ExportError", "Manifest", "ManifestError",
            "CodecIdentity", "check_codec_match", "codec_identity", "file_sha256"]
 
 MANIFEST_NAME = "manifest.json"
@@ -27,6 +27,10 @@ MANIFEST_VERSION = 1
 FORMATS = {"pt2": ("code2wav_step.pt2", "torch.export.load"),
            "aoti": ("code2wav_step.aoti.pt2", "torch._inductor.aoti_load_package"),
            "pte": ("code2wav_step.pte", "executorch.runtime")}
+
+
+class ExportError(RuntimeError):
+    """Export failed in a way the user can act on; the message says how."""
 
 
 class ManifestError(ValueError):

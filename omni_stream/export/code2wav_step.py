@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from omni_stream.models.code2wav import Code2Wav, Code2WavState
 from omni_stream.models.code2wav_blocks import _Step
 
-__all__ = ["DecoderStep", "ExplicitState", "StateSpec", "state_specs", "flatten_state", "initial_state"]
+__all__ = ["DecoderStep", "ExplicitState", "StateSpec", "flatten_state", "initial_state",
+           "native_conv_kernels", "state_specs"]
 
 
 class ExplicitState(_Step):
@@ -107,6 +108,16 @@ class DecoderStep(nn.Module):
         st = ExplicitState(state[0], state[1:1 + n], state[1 + n:1 + 2 * n], state[1 + 2 * n:])
         wav = self.model._run(codes, st)  # [1, n * spf]
         return (wav, *st.outputs())
+
+
+def native_conv_kernels(model: Code2Wav) -> None:
+    """Stream the wide convs with the conv kernels instead of Code2Wav's im2col + GEMM path, for
+    export backends whose compilers want Conv ops (ExecuTorch, ONNX for NPUs). XNNPACK delegates convolutions but not those GEMMs (their weights are reshaped in the graph),
+    which left the four widest layers of the 0.6B codec to ExecuTorch's portable mm: ~50x slower
+    per frame (benchmarks/tts/decoder_export_bench.py). Same math, different rounding."""
+    for m in model.modules():
+        if hasattr(m, "gemm"):
+            m.gemm = False
 
 
 @torch.no_grad()

@@ -1,13 +1,14 @@
 """``omni-stream export-decoder``: the streaming Code2Wav as a program a client device runs.
 
-One program per model: a streaming step with explicit state in and out (see ``decoder_step``),
+One program per model: a streaming step with explicit state in and out (see ``code2wav_step``),
 traced with ``torch.export`` with the frame count dynamic in ``[1, max_chunk]``; every chunk size
 of the server's ramp (1, 2, 4, ... up to its catch-up cap of 32 frames) is one call. Formats:
 
 * ``pt2``  the ExportedProgram (``torch.export.save``), run by ``torch.export.load(...).module()``;
 * ``aoti`` AOTInductor-compiled shared library in a package, for this machine's CPU
   (``torch._inductor.aoti_load_package``); inputs must be contiguous;
-* ``pte``  ExecuTorch program with the XNNPACK delegate (``executorch.runtime``).
+* ``pte``  ExecuTorch program with the XNNPACK delegate (lowered in ``executorch.py``, run by
+  ``executorch.runtime``).
 
 The exporter decodes a short random stream with the exported program, chunk by chunk, and
 compares it with the eager one-pass decode before it writes the manifest; the error is recorded
@@ -24,19 +25,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from omni_stream.export.decoder_step import DecoderStep, initial_state, state_specs
-from omni_stream.export.manifest import FORMATS, Manifest, codec_identity, file_sha256
-from omni_stream.export.runtime import load_program
+from omni_stream.export.code2wav_step import (DecoderStep, initial_state, native_conv_kernels,
+                                              state_specs)
+from omni_stream.export.executorch import lower_to_pte, require_executorch
+from omni_stream.export.manifest import (FORMATS, ExportError, Manifest, codec_identity,
+                                         file_sha256)
+from omni_stream.export.runtime_torch import load_program
 from omni_stream.evaluation.metrics import snr_db
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK = 32  # the codec stage never sends more frames in one chunk (CodecStage.max_chunk)
 VERIFY_CHUNKS = (1, 2, 4, 3, 8)  # the self-check's chunking: the ramp plus an odd size
-
-
-class ExportError(RuntimeError):
-    """Export failed in a way the user can act on; the message says how."""
 
 
 def export_program(model_dir: str | Path, fmt: str, out: str | Path,
@@ -53,7 +53,7 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
     if (out / fname).exists() and not overwrite:
         raise ExportError(f"{out / fname} exists: pass --overwrite or choose another --out")
     if fmt == "pte":
-        _require_executorch()
+        require_executorch()
     out.mkdir(parents=True, exist_ok=True)
     from omni_stream.checkpoints.io import load_codec
 
@@ -89,16 +89,6 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
     return manifest
 
 
-def native_conv_kernels(model) -> None:
-    """Stream the wide convs with the conv kernels instead of Code2Wav's im2col + GEMM path.
-    XNNPACK delegates convolutions but not those GEMMs (their weights are reshaped in the graph),
-    which left the four widest layers of the 0.6B codec to ExecuTorch's portable mm: ~50x slower
-    per frame (benchmarks/tts/decoder_export_bench.py). Same math, different rounding."""
-    for m in model.modules():
-        if hasattr(m, "gemm"):
-            m.gemm = False
-
-
 def trace(step: DecoderStep, max_chunk: int) -> "torch.export.ExportedProgram":
     """``torch.export`` of the step, frames dynamic in [1, max_chunk]. The example input has
     ``max_chunk`` frames: tracing at a smaller size lets export narrow the dynamic bound."""
@@ -110,23 +100,6 @@ def trace(step: DecoderStep, max_chunk: int) -> "torch.export.ExportedProgram":
     with torch.no_grad():
         return torch.export.export(step, (codes, *state), strict=False,
                                    dynamic_shapes=({2: frames}, tuple(None for _ in state)))
-
-
-def lower_to_pte(ep: "torch.export.ExportedProgram") -> bytes:
-    """ExecuTorch program with every op XNNPACK supports delegated to it."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # "no triton" noise on CPU-only hosts
-    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
-    from executorch.backends.xnnpack.partition.config.generic_node_configs import EluConfig
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-
-    # ELU is left out of XNNPACK's default configs in executorch 1.4; Code2Wav has none today,
-    # but a codec variant with ELU activations would otherwise run them unaccelerated.
-    configs = list(ALL_PARTITIONER_CONFIGS) + [EluConfig]
-    edge = to_edge_transform_and_lower(
-        ep, partitioner=[XnnpackPartitioner(configs=configs)],
-        compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    return edge.to_executorch().buffer
 
 
 @torch.no_grad()
@@ -161,14 +134,6 @@ def verify(model, program: Callable, max_chunk: int, seed: int = 0) -> dict:
 def _lower_label(fmt: str) -> str:
     return {"pt2": "save ExportedProgram", "aoti": "compile (AOTInductor)",
             "pte": "lower (ExecuTorch + XNNPACK)"}[fmt]
-
-
-def _require_executorch() -> None:
-    try:
-        import executorch  # noqa: F401
-    except ImportError as e:
-        raise ExportError(f"--format pte needs ExecuTorch ({e}): `pip install executorch==1.4.1` "
-                          "(it works with torch 2.13.0)") from e
 
 
 def _versions(fmt: str) -> dict[str, str]:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omni_stream.edge.export.ops import op_histogram, sanitize
-from omni_stream.edge.export.runtime import LoopConfig, StepSpec, Tables
-from omni_stream.edge.export.step import LAYOUTS, StepError, code_predictor_step, talker_step
+from omni_stream.export.onnx_ops import op_histogram, sanitize
+from omni_stream.export.runtime_onnx import LoopConfig, StepSpec, Tables
+from omni_stream.export.onnx_step import LAYOUTS, StepError, code_predictor_step, talker_step
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def build_step(weights_talker: nn.Module | None, part: str, layout: str, context
         return talker_step(weights_talker, layout, context).eval()
     if part == "code_predictor":
         return code_predictor_step(weights_talker, layout, context).eval()
-    from omni_stream.edge.export.code2wav_step import Code2WavStep
+    from omni_stream.export.onnx_code2wav import Code2WavStep
 
     return Code2WavStep(code2wav, layout, context).eval()
 
@@ -155,7 +155,7 @@ def export_step(model_dir: str | Path, part: str, context: int, out_dir: str | P
 def load_decoder(export_dir: str | Path, layout: str, threads: int = 1, suffix: str = ""):
     """A ``StepDecoder`` over the exported talker and code predictor graphs in ``export_dir``
     (``suffix`` picks a quantized variant, e.g. ``.w8a16``)."""
-    from omni_stream.edge.export.runtime import OrtRunner, StepDecoder
+    from omni_stream.export.runtime_onnx import OrtRunner, StepDecoder
 
     d = Path(export_dir)
     parts = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_stream.edge.export.runtime import StepCache, StepRunner, StepSpec
+from omni_stream.export.runtime_onnx import StepCache, StepRunner, StepSpec
 
 
 @dataclass
@@ -45,24 +45,18 @@ def record_eager(model, req, frames: int, seed: int = 0) -> EagerHistory:
     prompt = builder.build(req)
     eng = FrameEngine(talker, EngineShape(max_slots=1, max_seq_len=prompt.length + frames + 2))
     rec: dict[str, list] = {"tx": [], "tl": [], "cx": [], "cl": []}
-    orig_run = talker.model.run
-
-    def run(x, *a, **k):
-        rec["tx"].append(x[0].float().clone())
-        return orig_run(x, *a, **k)
-
     cpm = talker.code_predictor
     hooks = [talker.codec_head.register_forward_hook(lambda m, i, o: rec["tl"].append(o[0].float().clone())),
              cpm.small_to_mtp_projection.register_forward_hook(
                  lambda m, i, o: rec["cx"].append(i[0][0].float().reshape(-1, i[0].shape[-1]).clone()))]
     hooks += [h.register_forward_hook(lambda m, i, o: rec["cl"].append(o[0].float().clone()))
               for h in cpm.lm_head]
-    talker.model.run = run
+    hooks.append(talker.model.register_forward_pre_hook(
+        lambda m, args: rec["tx"].append(args[0][0].float().clone())))
     try:
         eng.prefill(0, prompt.embeds, prompt.trailing, SamplingParams.greedy(), seed)
         codes = [eng.step(1)[0][0].clone() for _ in range(frames)]
     finally:
-        del talker.model.run
         for h in hooks:
             h.remove()
     g = talker.cfg.num_code_groups

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import numpy as np
 
-from omni_stream.edge.export.ops import NPU_OPS, check_ops
+from omni_stream.export.onnx_ops import NPU_OPS, check_ops
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ def calibration_feeds(model, layout: str, talker_context: int, cp_context: int, 
     """Decode ``texts`` greedily with the torch forms of both steps (the exported graphs' own
     math) and record each step's feeds: every talker step, every ``cp_every``-th code-predictor
     step. ``model`` is a loaded checkpoint (fp32)."""
-    from omni_stream.edge.export.exporter import loop_config, tables_of
-    from omni_stream.edge.export.runtime import RecordingRunner, StepDecoder, TorchRunner
-    from omni_stream.edge.export.exporter import spec_of
-    from omni_stream.edge.export.step import code_predictor_step, talker_step
+    from omni_stream.export.onnx_export import loop_config, tables_of
+    from omni_stream.export.runtime_onnx import RecordingRunner, StepDecoder, TorchRunner
+    from omni_stream.export.onnx_export import spec_of
+    from omni_stream.export.onnx_step import code_predictor_step, talker_step
     from omni_stream.models.prompt import PromptBuilder, PromptRequest
 
     talker = model.weights.talker

@@ -62,7 +62,7 @@ def check_ops(model, allow: frozenset[str] = NPU_OPS) -> None:
     bad = {op: c for op, c in op_histogram(model).items() if op not in allow}
     if bad:
         listing = ", ".join(f"{op} x{c}" for op, c in sorted(bad.items()))
-        raise OpCheckError(f"ops outside the NPU allowlist: {listing} (see omni_stream/edge/export/ops.py)")
+        raise OpCheckError(f"ops outside the NPU allowlist: {listing} (see omni_stream/export/onnx_ops.py)")
 
 
 def _consumers(graph) -> Counter:

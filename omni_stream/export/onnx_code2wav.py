@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_stream.edge.export.step import LAYOUTS, StepError
+from omni_stream.export.onnx_step import LAYOUTS, StepError
 from omni_stream.models.layers import swap_halves as _swap_halves
 
 

@@ -71,14 +71,12 @@ class StepSpec:
 
 
 def rope_rows(head_dim: int, theta: float, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sign-folded sin ``[-sin, sin]`` tables [length, D] in fp32, from the same
-    float32 computation as the eager model's tables."""
+    """cos and sign-folded sin ``[-sin, sin]`` tables [length, D] in fp32: the eager model's
+    own tables (``rope_tables`` folds the sign already)."""
     from omni_stream.models.layers import rope_tables
 
     cos, sin = rope_tables(head_dim, theta, length)
-    cos, sin = cos.numpy(), sin.numpy().copy()
-    sin[:, : head_dim // 2] *= -1.0
-    return cos, sin
+    return cos.numpy(), sin.numpy()
 
 
 class StepCache:

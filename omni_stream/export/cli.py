@@ -36,8 +36,8 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_export_step(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from omni_stream.edge.export.exporter import PARTS, export_step
-    from omni_stream.edge.export.step import LAYOUTS
+    from omni_stream.export.onnx_export import PARTS, export_step
+    from omni_stream.export.onnx_step import LAYOUTS
 
     if a.part not in PARTS:
         raise SystemExit(f"omni-stream export-step: unsupported part '{a.part}': expected one of "
@@ -54,7 +54,7 @@ def cmd_export_step(a: argparse.Namespace) -> int:
     if a.quantize:
         import torch
 
-        from omni_stream.edge.export.quantize import calibration_feeds, quantize_step
+        from omni_stream.export.onnx_quantize import calibration_feeds, quantize_step
         from omni_stream.checkpoints.io import load_model
 
         model = load_model(a.model, dtype=torch.float32)
