@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from omni_stream.cli import main as cli_main
-from omni_stream.export.code2wav_step import DecoderStep, run_steps, state_specs
+from omni_stream.export.code2wav_step import Code2WavStep, run_steps, state_specs
 from omni_stream.evaluation.metrics import snr_db
 from omni_stream.export.torch_program import ExportError, export_program
 from omni_stream.export.manifest import Manifest, ManifestError, codec_identity, file_sha256
@@ -52,7 +52,7 @@ def pt2_dir(tiny_ckpt, tmp_path_factory):
 def test_functional_step_equals_stream_and_one_pass(codec, codes):
     """The exportable step (state in, state out) runs the same layers as Code2WavStream: same
     samples at any chunking, and equal to the one-pass decode to float rounding."""
-    step = DecoderStep(codec).eval()
+    step = Code2WavStep(codec).eval()
     with torch.no_grad():
         ref = codec(codes)
     stream = Code2WavStream(codec, 2)
@@ -96,9 +96,9 @@ def test_pt2_program_decodes_exactly_at_any_chunking(pt2_dir, codec, codes):
 def test_export_self_check_catches_a_wrong_program(codec):
     """The exporter's verify step is what stands between a broken lowering and a manifest."""
     from omni_stream.export.torch_program import verify
-    from omni_stream.export.code2wav_step import DecoderStep
+    from omni_stream.export.code2wav_step import Code2WavStep
 
-    step = DecoderStep(codec).eval()
+    step = Code2WavStep(codec).eval()
 
     def exact(codes, state):
         wav, *new = step(codes, *state)

@@ -4,8 +4,7 @@
     torch_program.py   ``omni-stream export-decoder``: torch.export -> pt2 / AOTInductor (+ .pte)
     executorch.py      the ExecuTorch (.pte, XNNPACK) lowering
     runtime_torch.py   run a pt2 / AOTInductor / .pte program
-    onnx_step.py       static one-step ONNX graphs of the talker and code predictor
-    onnx_code2wav.py   the one-frame Code2Wav ONNX step
+    onnx_step.py       static one-step ONNX graphs: talker, code predictor, Code2Wav
     onnx_ops.py        the NPU op allowlist and the graph sanitizer
     onnx_export.py     ``omni-stream export-step``: torch.onnx export, ``load_decoder``
     onnx_quantize.py   w8a16 / w4a16 QDQ variants calibrated on recorded decodes

@@ -22,7 +22,8 @@ from torch import nn
 
 from omni_stream.export.onnx_ops import op_histogram, sanitize
 from omni_stream.export.runtime_onnx import LoopConfig, StepSpec, Tables
-from omni_stream.export.onnx_step import LAYOUTS, StepError, code_predictor_step, talker_step
+from omni_stream.export.onnx_step import (LAYOUTS, Code2WavOnnxStep, StepError, code_predictor_step,
+                                          talker_step)
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,7 @@ def build_step(weights_talker: nn.Module | None, part: str, layout: str, context
         return talker_step(weights_talker, layout, context).eval()
     if part == "code_predictor":
         return code_predictor_step(weights_talker, layout, context).eval()
-    from omni_stream.export.onnx_code2wav import Code2WavStep
-
-    return Code2WavStep(code2wav, layout, context).eval()
+    return Code2WavOnnxStep(code2wav, layout, context).eval()
 
 
 def spec_of(step: nn.Module, part: str) -> StepSpec:

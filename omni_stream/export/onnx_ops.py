@@ -23,6 +23,7 @@ The sanitizer rewrites what ``torch.onnx`` emits into that form:
   * ``Where(IsNaN(x), c, x)`` and ``Where(IsInf(x), c, x)`` guards collapse to ``x``;
   * Reshape gets ``allowzero=0`` (converters reject 1; safe when the shape holds no 0);
   * rank-0 ``axes`` initializers of Unsqueeze/Squeeze become rank-1 (converters expect 1-D);
+  * ``Pow(x, 2)`` becomes ``Mul(x, x)`` (Code2Wav's Snake activation squares a sine);
   * nodes left without consumers are dropped; ``onnx.checker`` then runs on the result.
 """
 
@@ -125,15 +126,41 @@ def _drop_dead(graph) -> int:
     return removed
 
 
-def _fix_reshape(graph) -> int:
-    from onnx import numpy_helper
-
+def _constants(graph) -> dict:
+    """name -> TensorProto of every initializer and Constant node output."""
     consts = {t.name: t for t in graph.initializer}
     for n in graph.node:
         if n.op_type == "Constant":
             for a in n.attribute:
                 if a.name == "value":
                     consts[n.output[0]] = a.t
+    return consts
+
+
+def _square_pow(graph) -> int:
+    """``Pow(x, 2)`` (a constant exponent of 2, e.g. Code2Wav's Snake ``sin(.)**2``) becomes
+    ``Mul(x, x)``: the same correctly rounded square, with an op every NPU converter lowers."""
+    from onnx import numpy_helper
+
+    consts = _constants(graph)
+    fixed = 0
+    for n in graph.node:
+        if n.op_type != "Pow" or n.input[1] not in consts:
+            continue
+        e = numpy_helper.to_array(consts[n.input[1]])
+        if e.size != 1 or float(e.reshape(-1)[0]) != 2.0:
+            continue  # another exponent: left for the allowlist to reject
+        n.op_type = "Mul"
+        n.input[1] = n.input[0]
+        del n.attribute[:]
+        fixed += 1
+    return fixed
+
+
+def _fix_reshape(graph) -> int:
+    from onnx import numpy_helper
+
+    consts = _constants(graph)
     fixed = 0
     for n in graph.node:
         if n.op_type != "Reshape":
@@ -178,7 +205,7 @@ def sanitize(model, allow: frozenset[str] = NPU_OPS, check: bool = True) -> dict
 
     g = model.graph
     report = {"guards_removed": _remove_guards(g), "reshape_allowzero_fixed": _fix_reshape(g),
-              "axes_made_1d": _fix_axes(g)}
+              "axes_made_1d": _fix_axes(g), "pow2_to_mul": _square_pow(g)}
     report["dead_nodes_removed"] = _drop_dead(g)
     if check:
         onnx.checker.check_model(model, full_check=False)

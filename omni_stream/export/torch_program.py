@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from omni_stream.export.code2wav_step import (DecoderStep, initial_state, native_conv_kernels,
+from omni_stream.export.code2wav_step import (Code2WavStep, initial_state, native_conv_kernels,
                                               state_specs)
 from omni_stream.export.executorch import lower_to_pte, require_executorch
 from omni_stream.export.manifest import (FORMATS, ExportError, Manifest, codec_identity,
@@ -64,7 +64,7 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
             identity = codec_identity(model_dir)
             if fmt == "pte":
                 native_conv_kernels(model)
-            step = DecoderStep(model).eval()
+            step = Code2WavStep(model).eval()
         with bar.stage():
             ep = trace(step, max_chunk)
         with bar.stage():
@@ -89,7 +89,7 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
     return manifest
 
 
-def trace(step: DecoderStep, max_chunk: int) -> "torch.export.ExportedProgram":
+def trace(step: Code2WavStep, max_chunk: int) -> "torch.export.ExportedProgram":
     """``torch.export`` of the step, frames dynamic in [1, max_chunk]. The example input has
     ``max_chunk`` frames: tracing at a smaller size lets export narrow the dynamic bound."""
     from torch.export import Dim
