@@ -121,11 +121,15 @@ class ProgramDecoder(FrameDecoder):
 
         try:
             self.manifest = m = Manifest.read(manifest)
+            if m.part != "code2wav" or m.chunk_frames is None:
+                raise ManifestError(f"{m.path} describes a {m.format} {m.part} step, not a "
+                                    "streaming Code2Wav program: export one with "
+                                    "`omni-stream export-decoder`")
             if require_format and m.format != require_format:
                 raise ManifestError(f"{m.path} describes a '{m.format}' program; this backend "
                                     f"runs '{require_format}': export one with "
                                     f"`omni-stream export-decoder --format {require_format}`")
-            self._fn = load_program(m.format, m.check_program_file(), threads=threads)
+            self._fn = load_program(m.format, m.check_files(), threads=threads)
         except ManifestError as e:
             raise DecoderError(str(e)) from e
         self.name = {"pte": "executorch"}.get(m.format, m.format)
@@ -142,8 +146,7 @@ class ProgramDecoder(FrameDecoder):
             raise DecoderError(str(e)) from None
 
     def reset(self) -> None:
-        self.state = [torch.zeros(s["shape"], dtype=self._dtypes[s["dtype"]])
-                      for s in self.manifest.state]
+        self.state = [torch.zeros(s.shape, dtype=self._dtypes[s.dtype]) for s in self.manifest.state]
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
         x = self._checked(codes)

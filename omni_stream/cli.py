@@ -244,7 +244,7 @@ def cmd_export_decoder(a: argparse.Namespace) -> int:
     except (ExportError, ManifestError, ValueError) as e:
         print(f"omni-stream export-decoder: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {m.program_path} ({m.program_bytes / 1e6:.1f} MB, {m.format}, chunks "
+    print(f"wrote {m.program_path} ({m.files[0].bytes / 1e6:.1f} MB, {m.format}, chunks "
           f"1..{m.max_chunk_frames} frames, self-check SNR {m.verified.get('snr_db')} dB) and "
           f"{m.path}")
     return 0

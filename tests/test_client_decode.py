@@ -189,7 +189,7 @@ def test_missing_or_corrupt_program_is_a_clear_error(pte_manifest, tmp_path, cap
     raw = json.loads(pte_manifest.read_text())
     from omni_stream.export.manifest import file_sha256
 
-    raw.update(program_sha256=file_sha256(garbage / m.program), program_bytes=240)
+    raw["files"][0].update(sha256=file_sha256(garbage / m.program), bytes=240)
     (garbage / "manifest.json").write_text(json.dumps(raw))
     _fails(capsys, base + ["--pte-manifest", str(garbage / "manifest.json")],
            "cannot load ExecuTorch program")

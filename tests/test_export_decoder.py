@@ -117,14 +117,18 @@ def test_export_self_check_catches_a_wrong_program(codec):
 def test_manifest_records_what_a_client_needs(pt2_dir, tiny_ckpt, codec):
     m = Manifest.read(pt2_dir)
     raw = json.loads((pt2_dir / "manifest.json").read_text())
-    assert raw["sample_rate"] == 24000 and raw["left_context_frames"] == 0
-    assert (m.min_chunk_frames, m.max_chunk_frames) == (1, MAX_CHUNK)
+    assert raw["version"] == 2 and raw["codec"]["sample_rate"] == 24000
+    assert (m.format, m.part, m.chunk_frames, m.max_chunk_frames) == ("pt2", "code2wav", (1, MAX_CHUNK), MAX_CHUNK)
     assert m.codec.num_codebooks == 16 and m.codec.samples_per_frame == 1920
     assert m.codec.codec_sha256 == codec_identity(tiny_ckpt).codec_sha256
-    assert m.program_sha256 == file_sha256(m.program_path)
-    assert m.program_bytes == m.program_path.stat().st_size
+    assert [f.name for f in m.files] == ["code2wav_step.pt2"] and m.check_files() == m.program_path
+    assert m.files[0].sha256 == file_sha256(m.program_path)
+    assert m.files[0].bytes == m.program_path.stat().st_size
     assert m.source_checkpoint == str(tiny_ckpt.resolve())
-    assert [tuple(s["shape"]) for s in m.state] == [s.shape for s in state_specs(codec)]
+    assert list(m.state) == state_specs(codec) and m.state[0].name == "pos"
+    assert [t.name for t in m.inputs] == ["codes"] and m.inputs[0].shape == (1, 16, MAX_CHUNK)
+    assert [t.name for t in m.outputs] == ["wav"] + [f"{t.name}.next" for t in m.state]
+    assert m.step is None and m.quantization == ""
     assert m.verified["snr_db"] >= 80 and m.exporter["torch"] == torch.__version__
 
 

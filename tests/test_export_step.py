@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from omni_stream.cli import main as cli_main
-from omni_stream.export.onnx_export import load_decoder, spec_of
+from omni_stream.export.manifest import Manifest, ManifestError
+from omni_stream.export.onnx_export import describe, load_decoder
 from omni_stream.export.onnx_ops import NPU_OPS, OpCheckError, check_ops, lint, sanitize
 from omni_stream.export.onnx_parity import compare_logits, record_eager, replay_code_predictor, replay_talker
-from omni_stream.export.runtime_onnx import OrtRunner, StepCache, StepSpec, TorchRunner
+from omni_stream.export.runtime_onnx import OrtRunner, StepCache, TorchRunner
 from omni_stream.export.onnx_step import DecoderStep, StepError, code_predictor_step, talker_step
 from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
@@ -56,7 +57,8 @@ def export_dir(tiny_ckpt, tmp_path_factory):
 
 
 def _runner(export_dir, part, layout, suffix=""):
-    return OrtRunner(export_dir / f"{part}-{layout}{suffix}.onnx"), StepSpec.from_json(export_dir / f"{part}-{layout}.json")
+    m = Manifest.read(export_dir / f"{part}-{layout}{suffix}.json")
+    return OrtRunner(m.check_files()), m
 
 
 # ------------------------------------------------------------------------------ parity
@@ -95,7 +97,7 @@ def test_ring_and_roll_agree_past_the_window(model, history):
 
     def run(layout: str, ctx: int) -> np.ndarray:
         step = talker_step(talker, layout, ctx)
-        cache = StepCache(spec_of(step, "talker"), rope_len=len(rows))
+        cache = StepCache(describe(step, "talker"), rope_len=len(rows))
         runner = TorchRunner(step)
         return np.stack([cache.step(runner, x)["logits"][0] for x in rows])
 
@@ -134,7 +136,7 @@ def test_graphs_are_npu_clean(export_dir, model):
         onnx.checker.check_model(m)
         assert lint(m) == [], path.name
         ops = [n.op_type for n in m.graph.node]
-        spec = StepSpec.from_json(path.with_suffix(".json"))
+        spec = Manifest.read(path.with_suffix(".json")).step
         assert ops.count("Softmax") == spec.n_layers, "one fused softmax per layer"
         assert not {"Expand", "Where", "IsNaN", "ScatterND", "Shape", "Range"} & set(ops)
         inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
@@ -149,11 +151,48 @@ def test_graphs_are_npu_clean(export_dir, model):
             assert outputs["new_value_0"] == [1, spec.n_kv, 1, spec.head_dim]
         else:
             assert outputs["present_key_0"] == inputs["past_key_0"]
-    spec = StepSpec.from_json(export_dir / "talker-ring.json")
-    assert spec.n_layers == cfg.lm.num_hidden_layers
-    b_ring = spec.boundary_bytes()["total"]
-    b_roll = StepSpec.from_json(export_dir / "talker-roll.json").boundary_bytes()["total"]
+    ring = Manifest.read(export_dir / "talker-ring.json")
+    assert ring.step.n_layers == cfg.lm.num_hidden_layers
+    b_ring = ring.boundary_bytes()["total"]
+    b_roll = Manifest.read(export_dir / "talker-roll.json").boundary_bytes()["total"]
     assert b_ring < b_roll
+
+
+def test_step_manifests_describe_the_graphs(export_dir, tiny_ckpt, tmp_path):
+    """Each graph's manifest (the format every export target writes) lists the graph's inputs,
+    state and outputs as ONNX Runtime sees them, its file hash, the self-check against the torch
+    step, the source and versions, and for Code2Wav the codec identity a client checks."""
+    import json
+    import shutil
+
+    from omni_stream.export.manifest import codec_identity
+
+    for path in sorted(p for p in export_dir.glob("*.onnx") if "." not in p.stem):  # fp32 graphs
+        m = Manifest.read(path.with_suffix(".json"))
+        sess = OrtRunner(path).session
+        graph_in = [(i.name, tuple(i.shape)) for i in sess.get_inputs()]
+        assert graph_in == [(t.name, t.shape) for t in m.inputs + m.state], path.name
+        assert [(o.name, tuple(o.shape)) for o in sess.get_outputs()] == [(t.name, t.shape) for t in m.outputs]
+        assert (m.format, m.part, m.step.layout) == ("onnx", path.stem.split("-")[0], path.stem.split("-")[1])
+        assert m.check_files() == path and m.files[0].bytes == path.stat().st_size
+        assert m.verified["steps"] == 8 and m.verified["snr_db"] >= 100.0
+        assert m.source_checkpoint == str(tiny_ckpt.resolve()) and m.exporter["onnxruntime"]
+        if m.part == "code2wav":
+            assert m.codec == codec_identity(tiny_ckpt) and m.chunk_frames == (1, 1)
+            assert [t.name for t in m.state][-1].startswith("tail_")
+        else:
+            assert m.codec is None and m.chunk_frames is None
+    # a graph that changed after its export is refused before any runtime loads it
+    bad = tmp_path / "bad"
+    shutil.copytree(export_dir, bad, ignore=shutil.ignore_patterns("*.w*a16*"))
+    (bad / "code_predictor-ring.onnx").write_bytes(b"\0" * 64)
+    with pytest.raises(ManifestError, match="is corrupt or was replaced"):
+        load_decoder(bad, "ring")
+    raw = json.loads((bad / "talker-ring.json").read_text())
+    del raw["step"]
+    (bad / "talker-ring.json").write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match="needs its 'step' section"):
+        Manifest.read(bad / "talker-ring.json")
 
 
 def test_sanitizer_removes_guards_allowzero_and_scalar_axes():
@@ -215,7 +254,9 @@ def test_quantized_variants_fidelity(export_dir, history, model):
             wtypes = {t.data_type for t in qm.graph.initializer}
             assert (onnx.TensorProto.INT8 if scheme == "w8a16" else onnx.TensorProto.INT4) in wtypes
             assert "DequantizeLinear" in {n.op_type for n in qm.graph.node}
-            report[(part, scheme)] = compare_logits(ref, replay(OrtRunner(q), spec, history))
+            qman = Manifest.read(q.with_suffix(".json"))  # the variant's own manifest
+            assert qman.quantization == scheme and qman.check_files() == q and qman.step == spec.step
+            report[(part, scheme)] = compare_logits(ref, replay(OrtRunner(q), qman, history))
     for k, r in report.items():
         print(f"\n{k[0]} {k[1]} vs fp32: top-1 {r['top1']:.3f}, top-5 {r['top5']:.3f}, SNR {r['snr_db']:.1f} dB")
     for part in ("talker", "code_predictor"):

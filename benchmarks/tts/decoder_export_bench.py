@@ -49,7 +49,7 @@ def exported(model: Path, fmt: str, work: Path, max_chunk: int, sha: str) -> Man
     out = work / fmt
     try:
         m = Manifest.read(out)
-        m.check_program_file()
+        m.check_files()
         if m.codec.codec_sha256 == sha and m.max_chunk_frames >= max_chunk:
             log.info("reusing %s", m.path)
             return m
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                 return run
         else:
             m = exported(model_dir, fmt, work, a.max_chunk, ident.codec_sha256)
-            fn = load_program(fmt, m.check_program_file(), threads=a.threads)
-            exports[fmt] = dict(file=str(m.program_path), bytes=m.program_bytes,
+            fn = load_program(fmt, m.check_files(), threads=a.threads)
+            exports[fmt] = dict(file=str(m.program_path), bytes=m.files[0].bytes,
                                 verified_snr_db=m.verified.get("snr_db"))
 
             def make(fn=fn, m=m):
-                state = [torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])) for s in m.state]
+                state = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in m.state]
 
                 def run(x):
                     nonlocal state

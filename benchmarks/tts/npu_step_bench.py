@@ -33,7 +33,8 @@ import torch
 from omni_stream.export.onnx_export import build_step, export_module
 from omni_stream.export.onnx_parity import compare_logits, record_eager, replay_code_predictor, replay_talker
 from omni_stream.export.onnx_quantize import CALIBRATION_TEXTS, calibration_feeds, quantize_step
-from omni_stream.export.runtime_onnx import OrtRunner, StepCache, StepSpec
+from omni_stream.export.manifest import Manifest, ManifestError
+from omni_stream.export.runtime_onnx import OrtRunner, StepCache
 from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
 from omni_stream.scheduling.fingerprint import fingerprint_info
@@ -43,14 +44,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REQ = PromptRequest(text="Hello world, this is a test of the phone decoder.", language="english", speaker="ryan")
 
 
-def _time_step(runner: OrtRunner, spec: StepSpec, reps: int, rng: np.random.Generator) -> tuple[float, float]:
+def _cached(path: Path) -> bool:
+    """A graph from an earlier run whose manifest this version reads and whose files match it."""
+    try:
+        Manifest.read(path.with_suffix(".json")).check_files()
+        return True
+    except ManifestError:
+        return False
+
+
+def _time_step(runner: OrtRunner, m: Manifest, reps: int, rng: np.random.Generator) -> tuple[float, float]:
     """Median ms of session.run and of a whole runtime step, cache half full (random content)."""
-    cache = StepCache(spec)
+    cache = StepCache(m)
     for a in (*cache.keys, *cache.values):
         a[...] = rng.standard_normal(a.shape, dtype=np.float32) * 0.5
-    pos = spec.context // 2 if spec.part == "talker" else spec.context - 2
-    x = rng.standard_normal(spec.inputs["x"][-1], dtype=np.float32) * 0.05
-    head = 3 if spec.multi_head else None
+    ctx = m.step.context
+    pos = ctx // 2 if m.part == "talker" else ctx - 2
+    x = rng.standard_normal(cache.inputs["x"].shape[-1], dtype=np.float32) * 0.05
+    head = 3 if m.step.multi_head else None
     cache.pos = pos
     feeds = cache.feeds(x, head)
     runner.run(feeds)  # warm-up
@@ -99,11 +110,11 @@ def main() -> None:
     for layout in args.layouts:
         for part, ctx in contexts.items():
             path = args.work / f"{part}-{layout}.onnx"
-            if not path.is_file():
+            if not _cached(path):
                 log.info("export %s %s (context %d)", part, layout, ctx)
                 export_module(build_step(model.weights.talker, part, layout, ctx), part, path)
             graphs[(part, layout, "fp32")] = path
-        todo = [s for s in args.schemes for p in contexts if not (args.work / f"{p}-{layout}.{s}.onnx").is_file()]
+        todo = [s for s in args.schemes for p in contexts if not _cached(args.work / f"{p}-{layout}.{s}.onnx")]
         feeds = None
         if todo:
             log.info("calibration decode (%s)", layout)
@@ -114,7 +125,7 @@ def main() -> None:
         for scheme in args.schemes:
             for part in contexts:
                 q = args.work / f"{part}-{layout}.{scheme}.onnx"
-                if not q.is_file():
+                if not _cached(q):
                     log.info("quantize %s %s %s on %d feeds", part, layout, scheme, len(feeds[part]))
                     quantize_step(args.work / f"{part}-{layout}.onnx", q, feeds[part], scheme)
                 graphs[(part, layout, scheme)] = q
@@ -123,20 +134,20 @@ def main() -> None:
     rows = []
     fp32_logits: dict[tuple[str, str], np.ndarray] = {}
     for (part, layout, variant), path in graphs.items():
-        spec = StepSpec.from_json(args.work / f"{part}-{layout}.json")
+        m = Manifest.read(path.with_suffix(".json"))
         runner = OrtRunner(path, threads=args.threads)
-        run_ms, step_ms = _time_step(runner, spec, args.reps, rng)
+        run_ms, step_ms = _time_step(runner, m, args.reps, rng)
         replay = replay_talker if part == "talker" else replay_code_predictor
-        logits = replay(runner, spec, hist)
+        logits = replay(runner, m, hist)
         if variant == "fp32":
             fp32_logits[(part, layout)] = logits
             ref, against = (hist.talker_logits if part == "talker" else hist.cp_logits), "eager"
         else:
             ref, against = fp32_logits[(part, layout)], "fp32 graph"
         fid = compare_logits(ref, logits)
-        b = spec.boundary_bytes()
-        size = path.stat().st_size + (Path(str(path) + ".data").stat().st_size if Path(str(path) + ".data").exists() else 0)
-        rows.append(dict(part=part, layout=layout, variant=variant, context=spec.context,
+        b = m.boundary_bytes()
+        size = sum(f.bytes for f in m.files)
+        rows.append(dict(part=part, layout=layout, variant=variant, context=m.step.context,
                          run_ms=round(run_ms, 2), step_ms=round(step_ms, 2), bytes_in=b["in"],
                          bytes_out=b["out"], bytes_total=b["total"], graph_mb=round(size / 2**20, 1),
                          fidelity_vs=against, fidelity_rows=fid["rows"], snr_db=round(fid["snr_db"], 1),

@@ -36,7 +36,8 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_export_step(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from omni_stream.export.onnx_export import PARTS, export_step
+    from omni_stream.export.manifest import PARTS
+    from omni_stream.export.onnx_export import export_step
     from omni_stream.export.onnx_step import LAYOUTS
 
     if a.part not in PARTS:
@@ -48,9 +49,10 @@ def cmd_export_step(a: argparse.Namespace) -> int:
     layouts = LAYOUTS if a.layout == "both" else (a.layout,)
     results = export_step(a.model, a.part, a.context, a.out, layouts)
     for r in results:
-        b = r.spec.boundary_bytes()
+        b = r.manifest.boundary_bytes()
         print(f"{r.path}: {sum(r.ops.values())} nodes, {len(r.ops)} op types, "
-              f"{b['total'] / 1024:.1f} KiB across the boundary per step, {r.seconds:.1f} s")
+              f"{b['total'] / 1024:.1f} KiB across the boundary per step, self-check "
+              f"{r.manifest.verified['snr_db']} dB vs the torch step, {r.seconds:.1f} s")
     if a.quantize:
         import torch
 

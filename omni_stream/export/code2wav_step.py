@@ -19,15 +19,14 @@ State layout (one stream, leading dim 1), in the order of the program's inputs a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
+from omni_stream.export.manifest import TensorSpec
 from omni_stream.models.code2wav import Code2Wav, Code2WavState
 from omni_stream.models.code2wav_blocks import _Step
 
-__all__ = ["Code2WavStep", "ExplicitState", "StateSpec", "flatten_state", "initial_state",
+__all__ = ["Code2WavStep", "ExplicitState", "flatten_state", "initial_state",
            "native_conv_kernels", "state_specs"]
 
 
@@ -77,20 +76,13 @@ class ExplicitState(_Step):
         return out
 
 
-@dataclass(frozen=True)
-class StateSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix
-
-
-def state_specs(model: Code2Wav) -> list[StateSpec]:
+def state_specs(model: Code2Wav) -> list[TensorSpec]:
     """Name, shape and dtype of every state tensor, in program input order."""
     st = model.new_state(1)
     n = len(st.keys)
     names = (["pos"] + [f"attn{i}.keys" for i in range(n)] + [f"attn{i}.values" for i in range(n)]
              + [f"conv_tail{i}" for i in range(len(st.tails))])
-    return [StateSpec(nm, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    return [TensorSpec(nm, tuple(t.shape), str(t.dtype).removeprefix("torch."))
             for nm, t in zip(names, flatten_state(st))]
 
 

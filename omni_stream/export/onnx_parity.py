@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_stream.export.runtime_onnx import StepCache, StepRunner, StepSpec
+from omni_stream.export.manifest import Manifest
+from omni_stream.export.runtime_onnx import StepCache, StepRunner
 
 
 @dataclass
@@ -67,10 +68,10 @@ def record_eager(model, req, frames: int, seed: int = 0) -> EagerHistory:
                         codes=torch.stack(codes).numpy())
 
 
-def replay_talker(runner: StepRunner, spec: StepSpec, hist: EagerHistory,
+def replay_talker(runner: StepRunner, manifest: Manifest, hist: EagerHistory,
                   steps: int | None = None) -> np.ndarray:
     """Feed the recorded talker rows through the step; logits at the eager positions [F+1, V]."""
-    cache = StepCache(spec, rope_len=len(hist.talker_x) + 1)
+    cache = StepCache(manifest, rope_len=len(hist.talker_x) + 1)
     t = hist.prompt_len
     out = []
     n = len(hist.talker_x) if steps is None else min(len(hist.talker_x), t + steps)
@@ -81,10 +82,10 @@ def replay_talker(runner: StepRunner, spec: StepSpec, hist: EagerHistory,
     return np.stack(out)
 
 
-def replay_code_predictor(runner: StepRunner, spec: StepSpec, hist: EagerHistory,
+def replay_code_predictor(runner: StepRunner, manifest: Manifest, hist: EagerHistory,
                           frames: int | None = None) -> np.ndarray:
     """Feed each frame's 16 recorded rows through the step (fresh cache per frame) -> [F, G-1, V]."""
-    cache = StepCache(spec)
+    cache = StepCache(manifest)
     out = []
     for rows in hist.cp_x[:frames]:
         cache.reset()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -59,7 +60,8 @@ class _Feeds:
 
 def quantize_step(fp32_path: str | Path, out_path: str | Path, feeds: list[dict[str, np.ndarray]],
                   scheme: str) -> Path:
-    """Write the QDQ ``scheme`` variant of ``fp32_path`` calibrated on ``feeds``; returns its path."""
+    """Write the QDQ ``scheme`` variant of ``fp32_path`` calibrated on ``feeds`` (and, when the
+    fp32 graph has one, its manifest ``<out>.json``); returns its path."""
     import onnx
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -86,6 +88,15 @@ def quantize_step(fp32_path: str | Path, out_path: str | Path, feeds: list[dict[
                         extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
     model = onnx.load(str(out_path), load_external_data=False)
     check_ops(model, NPU_OPS)
+    src = Path(fp32_path).with_suffix(".json")
+    if src.is_file():  # the variant's manifest: the fp32 one with its own files and scheme
+        from omni_stream.export.manifest import Manifest
+        from omni_stream.export.onnx_export import graph_files
+
+        m = Manifest.read(src)
+        m = replace(m, files=graph_files(out_path), quantization=scheme,
+                    verified={"calibration_feeds": len(feeds)})
+        m.write(out_path.with_suffix(".json"))
     return out_path
 
 
@@ -101,19 +112,18 @@ def calibration_feeds(model, layout: str, talker_context: int, cp_context: int, 
     """Decode ``texts`` greedily with the torch forms of both steps (the exported graphs' own
     math) and record each step's feeds: every talker step, every ``cp_every``-th code-predictor
     step. ``model`` is a loaded checkpoint (fp32)."""
-    from omni_stream.export.onnx_export import loop_config, tables_of
-    from omni_stream.export.runtime_onnx import RecordingRunner, StepDecoder, TorchRunner
-    from omni_stream.export.onnx_export import spec_of
+    from omni_stream.export.onnx_export import describe, loop_config, tables_of
     from omni_stream.export.onnx_step import code_predictor_step, talker_step
+    from omni_stream.export.runtime_onnx import RecordingRunner, StepDecoder, TorchRunner
     from omni_stream.models.prompt import PromptBuilder, PromptRequest
 
     talker = model.weights.talker
     ts = talker_step(talker, layout, talker_context).eval()
     cs = code_predictor_step(talker, layout, cp_context).eval()
     sinks: dict[str, list] = {"talker": [], "code_predictor": []}
-    dec = StepDecoder(RecordingRunner(TorchRunner(ts), sinks["talker"]), spec_of(ts, "talker"),
+    dec = StepDecoder(RecordingRunner(TorchRunner(ts), sinks["talker"]), describe(ts, "talker"),
                       RecordingRunner(TorchRunner(cs), sinks["code_predictor"], keep=lambda i: i % cp_every == 0),
-                      spec_of(cs, "code_predictor"), tables_of(talker), loop_config(talker))
+                      describe(cs, "code_predictor"), tables_of(talker), loop_config(talker))
     builder = PromptBuilder(model.config, talker, model.tokenizer)
     voice = next(iter(model.config.talker.speakers), None)
     for text in texts:

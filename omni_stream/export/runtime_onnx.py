@@ -17,13 +17,14 @@ a fine step on the scores (-1e9 would leave a quantization step of ~15000).
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
+
+from omni_stream.export.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -32,42 +33,6 @@ MASK_VALUE = -100.0  # e^-100 ~ 4e-44: masked keys add nothing in fp32
 
 class StepRunner(Protocol):
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """What the runtime must know about one exported step (the manifest's content)."""
-
-    part: str
-    layout: str
-    context: int
-    n_layers: int
-    n_kv: int
-    head_dim: int
-    rope_theta: float
-    inputs: dict[str, list[int]]
-    outputs: dict[str, list[int]]
-    multi_head: bool = False
-    emit_hidden: bool = False
-    input_dtypes: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def cache_len(self) -> int:
-        return self.context - 1
-
-    def boundary_bytes(self) -> dict[str, int]:
-        """Bytes crossing the graph boundary per step (inputs, outputs; weights excluded)."""
-        def size(shape: list[int], dt: str) -> int:
-            return int(np.prod(shape)) * np.dtype(dt).itemsize
-        i = sum(size(s, self.input_dtypes.get(n, "float32")) for n, s in self.inputs.items())
-        o = sum(size(s, "float32") for s in self.outputs.values())
-        return {"in": i, "out": o, "total": i + o}
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "StepSpec":
-        d = json.loads(Path(path).read_text())
-        keys = cls.__dataclass_fields__.keys()
-        return cls(**{k: v for k, v in d.items() if k in keys})
 
 
 def rope_rows(head_dim: int, theta: float, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,17 +45,22 @@ def rope_rows(head_dim: int, theta: float, length: int) -> tuple[np.ndarray, np.
 
 
 class StepCache:
-    """One stream's cache state for one step graph."""
+    """One stream's cache state for one step graph, laid out as its manifest says."""
 
-    def __init__(self, spec: StepSpec, rope_len: int | None = None) -> None:
-        self.spec = spec
-        n, kv, d = spec.cache_len, spec.n_kv, spec.head_dim
-        self.keys = [np.zeros((1, kv, d, n), np.float32) for _ in range(spec.n_layers)]
-        self.values = [np.zeros((1, kv, n, d), np.float32) for _ in range(spec.n_layers)]
+    def __init__(self, manifest: Manifest, rope_len: int | None = None) -> None:
+        if manifest.step is None:
+            raise ValueError(f"{manifest.path or manifest.part}: not a decode step's manifest "
+                             "(no 'step' section): export it with `omni-stream export-step`")
+        self.manifest = manifest
+        self.spec = spec = manifest.step
+        state = {t.name: t for t in manifest.state}
+        self.inputs = {t.name: t for t in manifest.inputs}
+        self.keys = [np.zeros(state[f"past_key_{i}"].shape, np.float32) for i in range(spec.n_layers)]
+        self.values = [np.zeros(state[f"past_value_{i}"].shape, np.float32) for i in range(spec.n_layers)]
         # Code2Wav: each stateful conv's last inputs (zeros = the causal left padding)
-        self.tail_names = sorted((k for k in spec.inputs if k.startswith("tail_")), key=lambda k: int(k[5:]))
-        self.tails = [np.zeros(spec.inputs[k], np.float32) for k in self.tail_names]
-        self.cos, self.sin = rope_rows(d, spec.rope_theta, rope_len or spec.context)
+        self.tail_names = [t.name for t in manifest.state if t.name.startswith("tail_")]
+        self.tails = [np.zeros(state[k].shape, np.float32) for k in self.tail_names]
+        self.cos, self.sin = rope_rows(spec.head_dim, spec.rope_theta, rope_len or spec.context)
         self.pos = 0
 
     def reset(self) -> None:
@@ -110,8 +80,8 @@ class StepCache:
         d = self.spec.head_dim
         if self.pos >= len(self.cos):  # a stream longer than planned (Code2Wav): grow the table
             self.cos, self.sin = rope_rows(d, self.spec.rope_theta, 2 * self.pos + 1)
-        if "codes" in self.spec.inputs:
-            f = {"codes": np.ascontiguousarray(x, np.int64).reshape(self.spec.inputs["codes"])}
+        if "codes" in self.inputs:
+            f = {"codes": np.ascontiguousarray(x, np.int64).reshape(self.inputs["codes"].shape)}
         else:
             f = {"x": np.ascontiguousarray(x, np.float32).reshape(1, 1, -1)}
         f.update({
@@ -229,13 +199,14 @@ class Tables:
 class StepDecoder:
     """Greedy talker + code predictor loop over two step runners (one stream)."""
 
-    def __init__(self, talker: StepRunner, talker_spec: StepSpec, cp: StepRunner, cp_spec: StepSpec,
-                 tables: Tables, loop: LoopConfig) -> None:
-        if cp_spec.context < loop.groups:
-            raise ValueError(f"code predictor context {cp_spec.context} < {loop.groups} positions per frame")
+    def __init__(self, talker: StepRunner, talker_manifest: Manifest, cp: StepRunner,
+                 cp_manifest: Manifest, tables: Tables, loop: LoopConfig) -> None:
         self.talker, self.cp, self.tables, self.loop = talker, cp, tables, loop
-        self.tcache = StepCache(talker_spec)
-        self.ccache = StepCache(cp_spec)
+        self.tcache = StepCache(talker_manifest)
+        self.ccache = StepCache(cp_manifest)
+        if self.ccache.spec.context < loop.groups:
+            raise ValueError(f"code predictor context {self.ccache.spec.context} < {loop.groups} "
+                             "positions per frame")
         self._suppress = np.zeros(loop.vocab, bool)
         self._suppress[list(loop.suppressed)] = True
 

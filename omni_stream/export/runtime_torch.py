@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from omni_stream.export.manifest import FORMATS, ManifestError
+from omni_stream.export.manifest import ManifestError
 
 __all__ = ["StepFn", "load_program"]
 
@@ -26,8 +26,10 @@ def load_program(fmt: str, path: str | Path, threads: int | None = None) -> Step
     (torch's for pt2/aoti, ExecuTorch's XNNPACK threadpool for pte, which otherwise uses every
     core whatever ``torch.set_num_threads`` says); None leaves the runtime's default."""
     path = Path(path)
-    if fmt not in FORMATS:
-        raise ManifestError(f"unknown program format '{fmt}': expected one of {', '.join(FORMATS)}")
+    if fmt not in ("pt2", "aoti", "pte"):
+        raise ManifestError(f"a '{fmt}' program is not a torch program (pt2, aoti or pte)"
+                            + ("; ONNX steps run with omni_stream.export.runtime_onnx"
+                               if fmt == "onnx" else ""))
     if not path.is_file():
         raise ManifestError(f"decoder program {path} is missing: re-export with "
                             "`omni-stream export-decoder`")

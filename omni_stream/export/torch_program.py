@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,8 +29,8 @@ import torch
 from omni_stream.export.code2wav_step import (Code2WavStep, initial_state, native_conv_kernels,
                                               state_specs)
 from omni_stream.export.executorch import lower_to_pte, require_executorch
-from omni_stream.export.manifest import (FORMATS, ExportError, Manifest, codec_identity,
-                                         file_sha256)
+from omni_stream.export.manifest import (ExportError, FileEntry, Manifest, TensorSpec,
+                                         codec_identity)
 from omni_stream.export.runtime_torch import load_program
 from omni_stream.evaluation.metrics import snr_db
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK = 32  # the codec stage never sends more frames in one chunk (CodecStage.max_chunk)
 VERIFY_CHUNKS = (1, 2, 4, 3, 8)  # the self-check's chunking: the ramp plus an odd size
+PROGRAM_FILES = {"pt2": "code2wav_step.pt2", "aoti": "code2wav_step.aoti.pt2",
+                 "pte": "code2wav_step.pte"}
 
 
 def export_program(model_dir: str | Path, fmt: str, out: str | Path,
@@ -44,12 +47,12 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
                    overwrite: bool = False) -> Manifest:
     """Export the streaming decoder of the checkpoint ``model_dir`` into folder ``out``
     (program + ``manifest.json``) and return the manifest."""
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format '{fmt}': use one of {', '.join(FORMATS)}")
+    if fmt not in PROGRAM_FILES:
+        raise ExportError(f"unknown format '{fmt}': use one of {', '.join(PROGRAM_FILES)}")
     if not 1 <= max_chunk <= 256:
         raise ExportError(f"--max-chunk must be in [1, 256], got {max_chunk}")
     out = Path(out)
-    fname = FORMATS[fmt][0]
+    fname = PROGRAM_FILES[fmt]
     if (out / fname).exists() and not overwrite:
         raise ExportError(f"{out / fname} exists: pass --overwrite or choose another --out")
     if fmt == "pte":
@@ -78,15 +81,25 @@ def export_program(model_dir: str | Path, fmt: str, out: str | Path,
         with bar.stage():
             verified = verify(model, load_program(fmt, path), max_chunk)
         with bar.stage():
-            manifest = Manifest(
-                format=fmt, program=fname, program_sha256=file_sha256(path),
-                program_bytes=path.stat().st_size, codec=identity, max_chunk_frames=max_chunk,
-                state=[dict(name=s.name, shape=list(s.shape), dtype=s.dtype)
-                       for s in state_specs(model)],
-                source_checkpoint=str(Path(model_dir).resolve()), exporter=_versions(fmt),
-                verified=verified)
+            manifest = describe(model, fmt, max_chunk)
+            manifest = replace(manifest, files=(FileEntry.of(path),), codec=identity,
+                               source_checkpoint=str(Path(model_dir).resolve()),
+                               exporter=_versions(fmt), verified=verified)
             manifest = Manifest.read(manifest.write(out))
     return manifest
+
+
+def describe(model, fmt: str, max_chunk: int) -> Manifest:
+    """The manifest of the streaming step without its files and provenance: ``codes`` then the
+    state in, ``wav`` then the next state out, shapes at ``max_chunk`` frames."""
+    cfg = model.cfg
+    state = tuple(state_specs(model))
+    return Manifest(
+        format=fmt, part="code2wav", files=(), chunk_frames=(1, max_chunk),
+        inputs=(TensorSpec("codes", (1, cfg.num_quantizers, max_chunk), "int64"),),
+        state=state,
+        outputs=(TensorSpec("wav", (1, max_chunk * cfg.samples_per_frame)),)
+        + tuple(TensorSpec(f"{t.name}.next", t.shape, t.dtype) for t in state))
 
 
 def trace(step: Code2WavStep, max_chunk: int) -> "torch.export.ExportedProgram":
