@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from omni_stream.checkpoints.default import add_model_argument
 from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
 
 log = logging.getLogger("omni_stream")
@@ -233,23 +234,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export_decoder(a: argparse.Namespace) -> int:
-    from omni_stream.export.torch_program import ExportError, export_program
-    from omni_stream.export.manifest import ManifestError
-    from omni_stream.checkpoints.default import resolve_model_path
-
-    try:
-        m = export_program(resolve_model_path(a.model), a.format, a.out, max_chunk=a.max_chunk,
-                           progress=not a.no_progress, overwrite=a.overwrite)
-    except (ExportError, ManifestError, ValueError) as e:
-        print(f"omni-stream export-decoder: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {m.program_path} ({m.files[0].bytes / 1e6:.1f} MB, {m.format}, chunks "
-          f"1..{m.max_chunk_frames} frames, self-check SNR {m.verified.get('snr_db')} dB) and "
-          f"{m.path}")
-    return 0
-
-
 def _prod(shape) -> int:
     n = 1
     for d in shape:
@@ -273,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_make_checkpoint)
 
     s = sub.add_parser("synthesize", help="text -> wav offline (one request)")
-    s.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
+    add_model_argument(s)
     s.add_argument("--text", required=True)
     s.add_argument("--voice", default=None, help="speaker name (CustomVoice)")
     s.add_argument("--language", default="auto")
@@ -292,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)
     v = sub.add_parser("serve", help="run the streaming HTTP/WebSocket server")
-    v.add_argument("--model", default="default", help="checkpoint folder, or 'default' (embedded)")
+    add_model_argument(v)
     v.add_argument("--model-name", default=None, help="served model id (default: qwen3-tts)")
     v.add_argument("--profile", choices=["auto", "none"], default="auto",
                    help="auto: unset flags come from the hardware probe, class file and "
@@ -328,19 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(v)
     v.set_defaults(func=cmd_serve)
 
-    x = sub.add_parser("export-decoder", help="export the streaming Code2Wav for client-side "
-                                              "decoding (pt2, AOTInductor or ExecuTorch .pte)")
-    x.add_argument("--model", default="default", help="checkpoint folder, or 'default'")
-    x.add_argument("--format", choices=["pt2", "aoti", "pte"], required=True)
-    x.add_argument("--out", required=True, help="output folder (program + manifest.json)")
-    x.add_argument("--max-chunk", type=int, default=32,
-                   help="most frames one decode call takes (the server's chunk cap)")
-    x.add_argument("--overwrite", action="store_true")
-    x.add_argument("--no-progress", action="store_true", help="no progress bar")
-    x.set_defaults(func=cmd_export_decoder)
-
     pr = sub.add_parser("profile", help="print the probed hardware and the effective profile")
-    pr.add_argument("--model", default="default")
+    add_model_argument(pr)
     pr.add_argument("--set", default=None, help='user overrides as JSON, e.g. \'{"max_streams": 2}\'')
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_profile)
@@ -348,9 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_stream.observability.report import add_stats_parser
 
     add_stats_parser(sub)
-    from omni_stream.export.cli import add_export_parser
+    from omni_stream.export.cli import add_export_parsers
 
-    add_export_parser(sub)
+    add_export_parsers(sub)
     return p
 
 

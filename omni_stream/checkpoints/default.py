@@ -2,8 +2,8 @@
 
 ``cache_dir()`` is the root of everything written at run time (the default model, compiled
 steps, chunk calibration); ``resolve_model_path`` turns ``default`` into the tiny random
-checkpoint, written there on first use, so every command that takes ``--model`` runs with no
-download. Torch is imported only when the default model has to be written.
+checkpoint, written there on first use, so every command that takes ``--model``
+(``add_model_argument``) runs with no download. Torch is imported only when the default model has to be written.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ DEFAULT_MODEL_VERSION = "tiny-custom_voice-seed0-v1"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("OMNI_STREAM_CACHE_DIR", Path.home() / ".cache" / "omni-stream"))
+
+
+def add_model_argument(parser) -> None:
+    """``--model`` as every ``omni-stream`` command takes it: a checkpoint folder or ``default``,
+    turned into a path by ``resolve_model_path`` when the command runs (parsing writes nothing)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                        help=f"checkpoint folder (released layout), or '{DEFAULT_MODEL_NAME}': "
+                             "the embedded tiny model")
 
 
 def resolve_model_path(model: str | Path) -> Path:
