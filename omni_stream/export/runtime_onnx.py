@@ -5,7 +5,9 @@ value array per layer, builds the mask and rotary inputs of each step, writes th
 entry into its ring slot (ring layout) or takes the shifted window back (roll layout), and runs
 talker + code predictor per frame. The step itself is a ``StepRunner``: an ONNX Runtime session
 (``OrtRunner``) or the torch step module it was exported from (``TorchRunner``), so the same loop
-drives the exported graphs, the eager reference and the calibration recording.
+drives the exported graphs, the eager reference, the exporter's self-check and the calibration
+recording. What it needs to know about a step (cache shapes, layout, context, rotary theta) it
+reads from the step's manifest (``manifest.py``: ``state`` and the ``step`` section).
 
 Cache bookkeeping (N = context, n = N - 1 cached entries):
   roll: slot j holds position ``pos - n + j`` (oldest first); valid iff that is >= 0.
