@@ -112,6 +112,18 @@ class FrameEngine:
         # where codes 1..G-1 come from: this process (default) or a remote code-predictor
         # stage (omni_stream.stages.cp_stage.RemoteResidual); same contract as _predict_residual
         self.residual_fn = self._predict_residual
+        # the CPU runtime (engine/cpu): None runs the step with torch ops
+        self.native = None
+
+    def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
+                   threads: int | None = None) -> None:
+        """Run the talker step, its head, prefill and the code predictor's frame on the CPU
+        runtime (``engine/cpu``) with the given weight paths; the engine's state is shared."""
+        from omni_stream.engine.cpu.native import NativeRunner
+
+        if self.device.type != "cpu":
+            raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
+        self.native = NativeRunner(self, talker_kind, cp_kind, threads)
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
@@ -131,8 +143,11 @@ class FrameEngine:
             raise ValueError(f"slot {slot} holds {int(self.pos[slot])} prompt positions, not {start}")
         x = embeds.to(self.dtype).unsqueeze(0)
         pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        hidden = run_step(self.talker.model, self.kv, self.rope, x, pos, slice(slot, slot + 1),
-                          self._arange[slot:slot + 1], start)[:, -1]  # [1, C]
+        if self.native is not None:
+            hidden = self.native.talker_step(x[0], torch.full((t,), slot), pos[0])[-1:].to(self.dtype)
+        else:
+            hidden = run_step(self.talker.model, self.kv, self.rope, x, pos, slice(slot, slot + 1),
+                              self._arange[slot:slot + 1], start)[:, -1]  # [1, C]
         self.pos[slot] = start + t
         if not final:
             return None
@@ -199,10 +214,16 @@ class FrameEngine:
         return self._pad_row
 
     # ------------------------------------------------------------------ the frame step
+    def talker_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The codec head on normed hidden states [B, C] -> fp32 logits [B, V]."""
+        if self.native is not None:
+            return self.native.talker_logits(hidden)
+        return self.talker.codec_head(hidden).float()
+
     def _talker_draw(self, hidden: torch.Tensor, sl: slice) -> torch.Tensor:
         """hidden [B, C] (normed) -> next codebook-0 ids [B] (INVALID where the draw is not a
         codebook id or eos); updates history for rows ``sl``."""
-        logits = self.talker.codec_head(hidden).float()
+        logits = self.talker_logits(hidden)
         scores = talker_scores(logits, self.seen[sl], self.penalty[sl],
                                self.n_gen[sl] < self.min_new[sl], self.suppress, self._eos_col)
         code0 = sample(scores, self.talk_sp.slice(sl), self.seed[sl], self.counter[sl],
@@ -221,6 +242,8 @@ class FrameEngine:
     def _predict_residual(self, p: int) -> torch.Tensor:
         """Code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current frame; a row
         with any draw outside the codebook is INVALID in every column."""
+        if self.native is not None:
+            return self.native.cp_frame(p)
         cpm = self.talker.code_predictor
         proj = cpm.small_to_mtp_projection
         g, size = self.cfg.num_code_groups, self.codebook_size
@@ -263,12 +286,15 @@ class FrameEngine:
         idx = torch.minimum(self.gen_step[:p], self.trailing_len[:p])
         x = x + self.trailing[self._arange[:p], idx]
         pos = self.pos[:p]
-        if self.static_live:
-            live = self.shape.max_seq_len
-        else:  # the one deliberate host sync per frame: attend only over the live prefix
-            live = int(pos.max())
-        hidden = run_step(t.model, self.kv, self.rope, x.unsqueeze(1), pos.unsqueeze(1),
-                          slice(0, p), self._arange[:p], live, valid=pos)[:, -1]
+        if self.native is not None:
+            hidden = self.native.talker_step(x, self._arange[:p], pos).to(self.dtype)
+        else:
+            if self.static_live:
+                live = self.shape.max_seq_len
+            else:  # the one deliberate host sync per frame: attend only over the live prefix
+                live = int(pos.max())
+            hidden = run_step(t.model, self.kv, self.rope, x.unsqueeze(1), pos.unsqueeze(1),
+                              slice(0, p), self._arange[:p], live, valid=pos)[:, -1]
         self.last_hidden[:p] = hidden
         # only running slots advance; idle ones rewrite the same (unused) position
         act = self.active[:p].long()

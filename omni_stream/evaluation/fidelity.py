@@ -74,8 +74,8 @@ def teacher_forced(ref: Synthesizer, test: Synthesizer, req: PromptRequest, fram
             codes.append(frame[0].clone())
             test_codes.append(torch.cat((torch.tensor([pred0]), res_t[0].cpu())))
             pred0 = int(nxt_t[0])
-            lg_r = er.talker.codec_head(er.last_hidden[:1]).float()[0]
-            lg_t = et.talker.codec_head(et.last_hidden[:1]).float()[0]
+            lg_r = er.talker_logits(er.last_hidden[:1])[0]
+            lg_t = et.talker_logits(et.last_hidden[:1])[0]
             lr.append(lg_r)
             lt.append(lg_t)
             top5.append(len(set(lg_r.topk(5).indices.tolist()) & set(lg_t.topk(5).indices.tolist())) / 5)

@@ -1,0 +1,298 @@
+"""Python side of the CPU runtime: weight packing, ctypes mirrors of its structs, and the runner
+the frame engine calls instead of torch ops.
+
+``NativeRunner`` runs the same decode step as ``DecoderStack.forward`` (the one formulation:
+``models/layers.py``) inside ``omni_cpu.cpp``: the talker's step for every row in one call, the
+code predictor's whole frame (2-token prefill, 14 single-token steps, 15 heads and draws) in
+another, prefill pieces in a third. It reads and writes the engine's own tensors (KV caches,
+seeds, counters, sampling settings) through their data pointers, so the engine's bookkeeping,
+the stages and the tests see one engine whichever runtime computes it.
+
+Weight paths (``kind``): ``q4`` unsigned nibbles with a per-(row, group of 64 inputs) fp16
+scale and offset; ``q8`` signed bytes with a per-row scale; ``f32`` the exact weights. Each
+product quantizes its input rows to int8 (per row); see the C file for the layouts.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omni_stream.engine.cpu.build import ensure_library
+
+KINDS = {"q4": 0, "q8": 1, "f32": 2}
+Q4_GROUP = 64
+
+
+# ------------------------------------------------------------------------------ C mirrors
+class OcLinear(C.Structure):
+    _fields_ = [("kind", C.c_int32), ("n", C.c_int32), ("k", C.c_int32), ("group", C.c_int32),
+                ("w", C.c_void_p), ("scales", C.c_void_p), ("row_scale", C.c_void_p),
+                ("row_sum", C.c_void_p), ("wf", C.c_void_p), ("bias", C.c_void_p)]
+
+
+class OcLayer(C.Structure):
+    _fields_ = [("qkv", OcLinear), ("o", OcLinear), ("gate_up", OcLinear), ("down", OcLinear),
+                ("ln1", C.c_void_p), ("ln2", C.c_void_p), ("q_norm", C.c_void_p),
+                ("k_norm", C.c_void_p)]
+
+
+class OcStack(C.Structure):
+    _fields_ = [("layers", C.c_int32), ("hidden", C.c_int32), ("heads", C.c_int32),
+                ("kv_heads", C.c_int32), ("head_dim", C.c_int32), ("ffn", C.c_int32),
+                ("eps", C.c_float), ("layer", C.POINTER(OcLayer)), ("norm", C.c_void_p)]
+
+
+class OcCache(C.Structure):
+    _fields_ = [("k", C.POINTER(C.c_void_p)), ("v", C.POINTER(C.c_void_p)), ("length", C.c_int32),
+                ("bf16", C.c_int32)]
+
+
+class OcSampling(C.Structure):
+    _fields_ = [("greedy", C.c_void_p), ("top_k", C.c_void_p), ("temperature", C.c_void_p),
+                ("top_p", C.c_void_p), ("seed", C.c_void_p), ("counter", C.c_void_p)]
+
+
+class OcCodePredictor(C.Structure):
+    _fields_ = [("stack", OcStack), ("cache", OcCache), ("heads", C.POINTER(OcLinear)),
+                ("proj", C.POINTER(OcLinear)), ("talker_codec_emb", C.c_void_p),
+                ("cp_emb", C.POINTER(C.c_void_p)), ("emb_bf16", C.c_int32),
+                ("talker_hidden", C.c_int32), ("talker_vocab", C.c_int32),
+                ("cp_vocab", C.c_int32), ("groups", C.c_int32), ("cos_tab", C.c_void_p),
+                ("sin_tab", C.c_void_p)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _lib() -> C.CDLL:
+    lib = ensure_library()
+    if not getattr(lib, "_omni_typed", False):
+        lib.oc_pool_create.restype = C.c_void_p
+        lib.oc_pool_create.argtypes = [C.c_int32]
+        lib.oc_pool_destroy.argtypes = [C.c_void_p]
+        lib.oc_linear.argtypes = [C.c_void_p, C.POINTER(OcLinear), C.c_void_p, C.c_int32, C.c_void_p]
+        lib.oc_stack_step.argtypes = [C.c_void_p, C.POINTER(OcStack), C.POINTER(OcCache), C.c_int32,
+                                      C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p]
+        lib.oc_sample.argtypes = [C.c_void_p, C.c_int32, C.c_int32, C.POINTER(OcSampling), C.c_void_p]
+        lib.oc_code_predictor_frame.argtypes = [C.c_void_p, C.POINTER(OcCodePredictor), C.c_int32,
+                                                C.c_void_p, C.c_void_p, C.POINTER(OcSampling),
+                                                C.c_void_p]
+        lib._omni_typed = True
+    return lib
+
+
+class Pool:
+    """The runtime's worker threads (the caller plus ``threads - 1`` spinning workers)."""
+
+    def __init__(self, threads: int) -> None:
+        self.lib = _lib()
+        self.threads = max(1, int(threads))
+        self.handle = self.lib.oc_pool_create(self.threads)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.oc_pool_destroy(self.handle)
+            self.handle = None
+
+
+# ------------------------------------------------------------------------------ packing
+@dataclass
+class PackedLinear:
+    """One product's packed weights; ``struct`` points into ``tensors`` (kept alive here)."""
+
+    struct: OcLinear
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights the kernel effectively multiplies by, fp32 [n, k] (for tests)."""
+        return self._deq
+
+    @property
+    def n(self) -> int:
+        return self.struct.n
+
+
+def kind_for(n: int, k: int, kind: str) -> str:
+    """The layouts need n % 16 == 0 and k % 64 == 0 (q4) or k % 16 == 0 (q8); else exact fp32."""
+    if kind == "q4" and (n % 16 or k % Q4_GROUP):
+        return "f32"
+    if kind == "q8" and (n % 16 or k % 16):
+        return "f32"
+    return kind
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> PackedLinear:
+    """Pack a [n, k] weight (any float dtype) for the runtime."""
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    kind = kind_for(n, k, kind)
+    b = None if bias is None else bias.detach().float().contiguous()
+    s = OcLinear(kind=KINDS[kind], n=n, k=k, group=0, bias=_ptr(b))
+    keep = [t for t in (b,) if t is not None]
+    if kind == "f32":
+        s.wf = w.data_ptr()
+        keep.append(w)
+        deq = w
+    elif kind == "q4":
+        g = Q4_GROUP
+        wg = w.view(n, k // g, g)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8).half().float()  # what the kernel will read
+        lo = lo.half().float()
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        deq = (q.float() * scale[..., None] + lo[..., None]).view(n, k)
+        qb = q.view(n // 16, 16, k // 4, 4)
+        packed = (qb[:, :8].permute(0, 2, 1, 3) | (qb[:, 8:].permute(0, 2, 1, 3) << 4))
+        packed = packed.reshape(n // 16, k // 4, 32).contiguous()
+        sm = torch.stack((scale, lo), dim=-1).view(n // 16, 16, k // g, 2).permute(0, 2, 3, 1)
+        sm = sm.contiguous().half()
+        s.group, s.w, s.scales = g, packed.data_ptr(), sm.data_ptr()
+        keep += [packed, sm]
+    else:  # q8
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        deq = q.float() * scale[:, None]
+        packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64)
+        packed = packed.contiguous()
+        rsum = q.sum(dim=1, dtype=torch.int32).contiguous()
+        scale = scale.contiguous()
+        s.w, s.row_scale, s.row_sum = packed.data_ptr(), scale.data_ptr(), rsum.data_ptr()
+        keep += [packed, scale, rsum]
+    out = PackedLinear(s, keep)
+    out._deq = deq
+    return out
+
+
+def pack_linear(lin: nn.Linear, kind: str) -> PackedLinear:
+    return pack_weight(lin.weight, lin.bias, kind)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+class NativeStack:
+    """A decoder stack (``DecoderStack``) packed for the runtime, over the engine's KV cache."""
+
+    def __init__(self, stack: nn.Module, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 kind: str) -> None:
+        cfg = stack.cfg
+        if cfg.head_dim % 16:
+            raise ValueError(f"the CPU runtime needs head_dim % 16 == 0, got {cfg.head_dim}")
+        self.layers: list[tuple[PackedLinear, ...]] = []
+        self.keep: list[torch.Tensor] = []
+        arr = (OcLayer * cfg.num_hidden_layers)()
+        for i, layer in enumerate(stack.layers):
+            a, m = layer.self_attn, layer.mlp
+            qkv = pack_weight(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), None, kind)
+            o = pack_linear(a.o_proj, kind)
+            gu = pack_weight(torch.cat((m.gate_proj.weight, m.up_proj.weight)), None, kind)
+            down = pack_linear(m.down_proj, kind)
+            norms = [_f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
+                     _f32(a.q_norm.weight), _f32(a.k_norm.weight)]
+            self.layers.append((qkv, o, gu, down))
+            self.keep += norms
+            arr[i] = OcLayer(qkv=qkv.struct, o=o.struct, gate_up=gu.struct, down=down.struct,
+                             ln1=norms[0].data_ptr(), ln2=norms[1].data_ptr(),
+                             q_norm=norms[2].data_ptr(), k_norm=norms[3].data_ptr())
+        norm = _f32(stack.norm.weight)
+        self.keep.append(norm)
+        self._arr = arr
+        self.struct = OcStack(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                              heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, ffn=cfg.intermediate_size,
+                              eps=cfg.rms_norm_eps, layer=arr, norm=norm.data_ptr())
+        dt = cache_layers[0][0].dtype
+        if dt not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the CPU runtime keeps KV caches in bf16 or fp32, not {dt}")
+        ks = (C.c_void_p * len(cache_layers))(*[k.data_ptr() for k, _ in cache_layers])
+        vs = (C.c_void_p * len(cache_layers))(*[v.data_ptr() for _, v in cache_layers])
+        self._kv = (ks, vs)
+        self.cache = OcCache(k=ks, v=vs, length=cache_layers[0][0].shape[2],
+                             bf16=int(dt == torch.bfloat16))
+
+
+class NativeRunner:
+    """The frame engine's talker step, talker head, prefill and code-predictor frame on the CPU
+    runtime (``FrameEngine.use_native``). ``kinds``: weight path of the talker and of the code
+    predictor ("q4", "q8" or "f32"); ``threads``: the runtime's threads (the caller included)."""
+
+    def __init__(self, engine, talker_kind: str = "q4", cp_kind: str = "q4",
+                 threads: int | None = None) -> None:
+        self.lib = _lib()
+        self.pool = Pool(threads or torch.get_num_threads())
+        t, cp = engine.talker, engine.talker.code_predictor
+        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind)
+        self.head = pack_linear(t.codec_head, talker_kind)
+        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind)
+        self.cp_heads = [pack_linear(h, cp_kind) for h in cp.lm_head]
+        heads = (OcLinear * len(self.cp_heads))(*[h.struct for h in self.cp_heads])
+        proj = cp.small_to_mtp_projection
+        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_kind)
+        emb_dtype = t.model.codec_embedding.weight.dtype
+        tables = [t.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
+        if emb_dtype not in (torch.bfloat16, torch.float32) or any(x.dtype != emb_dtype for x in tables):
+            raise ValueError(f"the CPU runtime reads bf16 or fp32 embedding tables, not {emb_dtype}")
+        self.tables = [x.detach().contiguous() for x in tables]
+        cp_emb = (C.c_void_p * (len(self.tables) - 1))(*[x.data_ptr() for x in self.tables[1:]])
+        self.talker_rope = (engine.rope.cos.contiguous(), engine.rope.sin.contiguous())
+        self.cp_rope = (engine.cp_rope.cos.contiguous(), engine.cp_rope.sin.contiguous())
+        g = engine.cfg.num_code_groups
+        self._keep = (heads, cp_emb)
+        self.cp_struct = OcCodePredictor(
+            stack=self.cp.struct, cache=self.cp.cache, heads=heads,
+            proj=C.pointer(self.proj.struct) if self.proj is not None else None,
+            talker_codec_emb=self.tables[0].data_ptr(), cp_emb=cp_emb,
+            emb_bf16=int(emb_dtype == torch.bfloat16), talker_hidden=engine.cfg.lm.hidden_size,
+            talker_vocab=engine.cfg.lm.vocab_size, cp_vocab=engine.codebook_size, groups=g,
+            cos_tab=self.cp_rope[0].data_ptr(), sin_tab=self.cp_rope[1].data_ptr())
+        self.engine = engine
+        self.kinds = (talker_kind, cp_kind)
+
+    def talker_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows x [m, C] (token of slot slots[r] at position pos[r], attending the slot's cache
+        [0, pos[r]]) -> normed hidden [m, C] fp32; writes their K/V into the engine's cache."""
+        h = x.detach().float().contiguous().clone()
+        slots = slots.to(torch.int64).contiguous()
+        pos = pos.to(torch.int64).contiguous()
+        self.lib.oc_stack_step(self.pool.handle, C.byref(self.talker.struct),
+                               C.byref(self.talker.cache), h.shape[0], slots.data_ptr(),
+                               pos.data_ptr(), self.talker_rope[0].data_ptr(),
+                               self.talker_rope[1].data_ptr(), h.data_ptr())
+        return h
+
+    def linear(self, packed: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float().contiguous()
+        y = torch.empty(x.shape[0], packed.n, dtype=torch.float32)
+        self.lib.oc_linear(self.pool.handle, C.byref(packed.struct), x.data_ptr(), x.shape[0],
+                           y.data_ptr())
+        return y
+
+    def talker_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.head, hidden)
+
+    def cp_frame(self, p: int) -> torch.Tensor:
+        """The code predictor's frame for slots [0, p): codes 1..G-1 [p, G-1] (INVALID rows)."""
+        e = self.engine
+        sp = e.cp_sp
+        greedy = sp.greedy[:p].to(torch.int32).contiguous()
+        top_k = sp.top_k[:p].clamp(max=2**31 - 1).to(torch.int32).contiguous()
+        temp, top_p = sp.temperature[:p].contiguous(), sp.top_p[:p].contiguous()
+        seed = e.seed[:p].contiguous()
+        counter = e.counter[:p]  # a view of the engine's counters: advanced in place
+        assert counter.is_contiguous()
+        samp = OcSampling(greedy=greedy.data_ptr(), top_k=top_k.data_ptr(),
+                          temperature=temp.data_ptr(), top_p=top_p.data_ptr(),
+                          seed=seed.data_ptr(), counter=counter.data_ptr())
+        hidden = e.last_hidden[:p].float().contiguous()
+        code0 = e.last_code0[:p].contiguous()
+        codes = torch.empty(p, e.cfg.num_code_groups - 1, dtype=torch.int64)
+        self.lib.oc_code_predictor_frame(self.pool.handle, C.byref(self.cp_struct), p,
+                                         hidden.data_ptr(), code0.data_ptr(), C.byref(samp),
+                                         codes.data_ptr())
+        return codes
