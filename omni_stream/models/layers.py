@@ -25,6 +25,7 @@ from torch import nn
 from omni_stream.config import DecoderLMConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]
+SHORT_PAST = 64  # attend(): up to this many past keys, join them and use the fused kernel
 
 
 # ---------------------------------------------------------------- norm
@@ -87,6 +88,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tens
     b, h, t, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
+    if mask is None and not keys_transposed and (past_k is None or past_k.shape[2] <= SHORT_PAST):
+        # the same attention through torch's fused kernel: cheaper than the ops below when the
+        # keys are few (the code predictor's sub-steps), where joining them costs nothing
+        if past_k is not None:
+            k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
     qg = q.reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D] (head h = kv * G + g)
     kt = k.transpose(-1, -2)  # [B, Hkv, D, T]
     scores = torch.matmul(qg, kt)
