@@ -14,3 +14,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
   touch "$stamp"
 fi
+# the CPU runtime (omni_stream/engine/cpu): compiled for this machine once, cached under
+# ~/.cache/omni-stream/cpu-engine; without a C++ compiler the server runs the torch engine
+.venv/bin/python -m omni_stream.engine.cpu.build || echo "warning: the CPU runtime was not built (see above); serving falls back to --engine torch" >&2

@@ -147,3 +147,24 @@ def test_nan_hidden_state_fails_only_its_row(tiny_model):
         eng.last_hidden[1] = float("nan")
         codes = eng._predict_residual(2)
     assert bool((codes[1] == INVALID).all()) and bool((codes[0] >= 0).all())
+
+
+def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
+    """A CPU without AVX-512 VNNI builds the same file without it (scalar loops): its products
+    equal the vector kernels' (integer sums, same scales)."""
+    from omni_stream.engine.cpu.build import FLAGS, build
+
+    flags = tuple(f for f in FLAGS if f != "-march=native") + ("-march=x86-64",)
+    scalar = native._lib(str(build(tmp_path / "libscalar.so", flags)))
+    assert scalar.oc_has_vnni() == 0
+    fast, slow = native.Pool(1), native.Pool(1, lib=scalar)
+    gen = torch.Generator().manual_seed(9)
+    for kind in ("q4", "q8"):
+        pk = native.pack_weight(torch.randn(32, 128, generator=gen), None, kind)
+        x = torch.randn(3, 128, generator=gen)
+        ys = []
+        for p in (fast, slow):
+            y = torch.empty(3, 32)
+            p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), 3, y.data_ptr())
+            ys.append(y)
+        torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)

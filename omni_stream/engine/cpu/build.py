@@ -26,7 +26,8 @@ from omni_stream.checkpoints.default import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("omni_cpu.cpp")
+SOURCE = Path(__file__).with_name("omni_cpu.cpp")  # includes the oc_*.h beside it
+HEADERS = sorted(Path(__file__).parent.glob("oc_*.h"))
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 
 
@@ -52,16 +53,18 @@ def compiler() -> str:
     return cxx
 
 
-def library_path() -> Path:
+def library_path(flags: tuple[str, ...] = FLAGS) -> Path:
     cxx = compiler()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+    parts = [p.read_bytes() for p in (SOURCE, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*parts, cxx.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "cpu-engine" / key / "libomni_cpu.so"
 
 
-def build(out: Path | None = None) -> Path:
-    """Compile the library (if not cached) and return its path."""
-    out = out or library_path()
+def build(out: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the library (if not cached) and return its path. ``flags`` other than the
+    default build, e.g. for a CPU without AVX-512, the portable scalar path (tests)."""
+    out = out or library_path(flags)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +73,7 @@ def build(out: Path | None = None) -> Path:
         if out.is_file():
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [compiler(), *FLAGS, "-o", str(tmp), str(SOURCE), "-lpthread"]
+        cmd = [compiler(), *flags, "-o", str(tmp), str(SOURCE), "-lpthread"]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

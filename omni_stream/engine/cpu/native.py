@@ -69,8 +69,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _lib() -> C.CDLL:
-    lib = ensure_library()
+def _lib(path: str | None = None) -> C.CDLL:
+    """The runtime library with its argument types declared (``path``: another build)."""
+    lib = C.CDLL(path) if path else ensure_library()
     if not getattr(lib, "_omni_typed", False):
         lib.oc_pool_create.restype = C.c_void_p
         lib.oc_pool_create.argtypes = [C.c_int32]
@@ -89,8 +90,8 @@ def _lib() -> C.CDLL:
 class Pool:
     """The runtime's worker threads (the caller plus ``threads - 1`` spinning workers)."""
 
-    def __init__(self, threads: int) -> None:
-        self.lib = _lib()
+    def __init__(self, threads: int, lib: C.CDLL | None = None) -> None:
+        self.lib = lib or _lib()
         self.threads = max(1, int(threads))
         self.handle = self.lib.oc_pool_create(self.threads)
 

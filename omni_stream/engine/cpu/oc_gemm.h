@@ -1,0 +1,230 @@
+// Low-bit and exact products (q4 / q8 on VPDPBUSD, f32) of the CPU runtime.
+// Part of omni_cpu.cpp (one translation unit); see there for the overview.
+#pragma once
+#include "oc_pool.h"
+#include "oc_types.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------ products
+// Quantize rows of x [m][k] to int8: x8 [m][k], xs [m], and per-group sums [m][k/g] (g > 0).
+void quantize_rows(const float* x, int m, int k, int g, int8_t* x8, float* xs, int32_t* gsum) {
+  for (int r = 0; r < m; r++) {
+    const float* xr = x + (int64_t)r * k;
+    float amax = 0.f;
+    bool finite = true;
+    for (int i = 0; i < k; i++) {
+      finite &= std::isfinite(xr[i]);
+      amax = std::max(amax, std::fabs(xr[i]));
+    }
+    float s = amax > 0.f ? amax / 127.f : 1.f;
+    float inv = 1.f / s;
+    // a non-finite input makes the whole output row NaN (as a float product would), so the
+    // fault reaches the sampler and the stream is failed instead of drawing from garbage
+    xs[r] = finite ? s : std::numeric_limits<float>::quiet_NaN();
+    int8_t* q = x8 + (int64_t)r * k;
+    for (int i = 0; i < k; i++) {
+      float v = std::isfinite(xr[i]) ? xr[i] * inv : 0.f;
+      q[i] = (int8_t)std::lrintf(std::max(-127.f, std::min(127.f, v)));
+    }
+    if (g > 0)
+      for (int j = 0; j < k / g; j++) {
+        int32_t acc = 0;
+        for (int i = 0; i < g; i++) acc += q[j * g + i];
+        gsum[(int64_t)r * (k / g) + j] = acc;
+      }
+  }
+}
+
+#if OC_VNNI
+// VPDPBUSD has a latency of several cycles: each row keeps 4 independent accumulators (one per
+// k-quad of a 16-byte step) so the chains overlap, summed at the end of each group.
+template <int MT>
+void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int nb,
+              float* y, int ldy) {
+  const int k = L.k, g = L.group, ng = k / g;
+  const uint8_t* wb = L.w + (int64_t)nb * (k / 4) * 32;
+  const uint16_t* sb = L.scales + (int64_t)nb * ng * 32;
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < ng; j++) {
+    __m512i iacc[MT][4];
+    for (int r = 0; r < MT; r++)
+      for (int u = 0; u < 4; u++) iacc[r][u] = _mm512_setzero_si512();
+    const uint8_t* wp = wb + (int64_t)j * (g / 4) * 32;
+    for (int kq = 0; kq < g / 4; kq += 4) {
+      __m512i wv[4];
+      for (int u = 0; u < 4; u++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i*)(wp + (kq + u) * 32));
+        __m256i lo = _mm256_and_si256(raw, mask);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        wv[u] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      const int kk = j * g + kq * 4;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* xr = x8 + (int64_t)r * k + kk;
+        for (int u = 0; u < 4; u++) {
+          int32_t xv;
+          std::memcpy(&xv, xr + 4 * u, 4);
+          iacc[r][u] = _mm512_dpbusd_epi32(iacc[r][u], wv[u], _mm512_set1_epi32(xv));
+        }
+      }
+    }
+    __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
+    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
+    for (int r = 0; r < MT; r++) {
+      __m512i a = _mm512_add_epi32(_mm512_add_epi32(iacc[r][0], iacc[r][1]),
+                                   _mm512_add_epi32(iacc[r][2], iacc[r][3]));
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), facc[r]);
+      facc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), facc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, facc[r]);
+}
+
+template <int MT>
+void q8_block(const OcLinear& L, const uint8_t* xu, const float* xs, int nb, float* y, int ldy) {
+  const int k = L.k;
+  const uint8_t* wb = L.w + (int64_t)nb * (k / 4) * 64;
+  __m512i iacc[MT][4];
+  for (int r = 0; r < MT; r++)
+    for (int u = 0; u < 4; u++) iacc[r][u] = _mm512_setzero_si512();
+  for (int kq = 0; kq < k / 4; kq += 4) {
+    __m512i wv[4];
+    for (int u = 0; u < 4; u++) wv[u] = _mm512_loadu_si512((const void*)(wb + (int64_t)(kq + u) * 64));
+    for (int r = 0; r < MT; r++)
+      for (int u = 0; u < 4; u++) {
+        int32_t xv;
+        std::memcpy(&xv, xu + (int64_t)r * k + (kq + u) * 4, 4);
+        iacc[r][u] = _mm512_dpbusd_epi32(iacc[r][u], _mm512_set1_epi32(xv), wv[u]);
+      }
+  }
+  __m512 rs = _mm512_loadu_ps(L.row_scale + nb * 16);
+  __m512i sum128 = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(L.row_sum + nb * 16)), 7);
+  for (int r = 0; r < MT; r++) {
+    __m512i acc = _mm512_add_epi32(_mm512_add_epi32(iacc[r][0], iacc[r][1]),
+                                   _mm512_add_epi32(iacc[r][2], iacc[r][3]));
+    __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sum128));
+    _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, _mm512_mul_ps(a, _mm512_mul_ps(rs, _mm512_set1_ps(xs[r]))));
+  }
+}
+#endif
+
+// scalar reference of both low-bit kernels (no VNNI on this CPU)
+void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int m,
+                   int64_t n0, int64_t n1, float* y) {
+  const int k = L.k;
+  for (int r = 0; r < m; r++)
+    for (int64_t n = n0; n < n1; n++) {
+      int64_t nb = n / 16, row = n % 16;
+      double acc = 0;
+      if (L.kind == 0) {
+        int g = L.group, ng = k / g;
+        for (int j = 0; j < ng; j++) {
+          int32_t s = 0;
+          for (int i = 0; i < g; i++) {
+            int kk = j * g + i, kq = kk / 4, lane = kk % 4;
+            uint8_t byte = L.w[(nb * (k / 4) + kq) * 32 + (row % 8) * 4 + lane];
+            int q = row < 8 ? (byte & 15) : (byte >> 4);
+            s += q * x8[(int64_t)r * k + kk];
+          }
+          const uint16_t* sp = L.scales + (nb * ng + j) * 32;
+          acc += (double)f16_to_f32(sp[row]) * s * xs[r] +
+                 (double)f16_to_f32(sp[16 + row]) * gsum[(int64_t)r * ng + j] * xs[r];
+        }
+      } else {
+        int32_t s = 0;
+        for (int kk = 0; kk < k; kk++)
+          s += (int8_t)L.w[(nb * (k / 4) + kk / 4) * 64 + row * 4 + kk % 4] * x8[(int64_t)r * k + kk];
+        acc = (double)s * L.row_scale[n] * xs[r];
+      }
+      y[(int64_t)r * L.n + n] = (float)acc;
+    }
+}
+
+void f32_rows(const OcLinear& L, const float* x, int m, int64_t n0, int64_t n1, float* y) {
+  const int k = L.k;
+  for (int r = 0; r < m; r++) {
+    const float* xr = x + (int64_t)r * k;
+    for (int64_t n = n0; n < n1; n++) {
+      const float* w = L.wf + n * k;
+#if OC_VNNI
+      __m512 acc = _mm512_setzero_ps();
+      int i = 0;
+      for (; i + 16 <= k; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(xr + i), acc);
+      float s = _mm512_reduce_add_ps(acc);
+      for (; i < k; i++) s += w[i] * xr[i];
+#else
+      float s = 0.f;
+      for (int i = 0; i < k; i++) s += w[i] * xr[i];
+#endif
+      y[(int64_t)r * L.n + n] = s;
+    }
+  }
+}
+
+// Scratch for one product's quantized activations (reused, grown on demand).
+struct Scratch {
+  std::vector<int8_t> x8;
+  std::vector<float> xs;
+  std::vector<int32_t> gsum;
+};
+
+void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scratch& s) {
+  if (L.kind == 2) {
+    pool->run([&](int t) {
+      int64_t lo, hi;
+      split(L.n, pool->size(), t, &lo, &hi);
+      f32_rows(L, x, m, lo, hi, y);
+    });
+  } else {
+    const int g = L.kind == 0 ? L.group : 0;
+    s.x8.resize((size_t)m * L.k);
+    s.xs.resize(m);
+    s.gsum.resize(g > 0 ? (size_t)m * (L.k / g) : 1);
+    quantize_rows(x, m, L.k, g, s.x8.data(), s.xs.data(), s.gsum.data());
+#if OC_VNNI
+    if (L.kind == 1)  // q8: activations as the unsigned operand of VPDPBUSD
+      for (size_t i = 0; i < s.x8.size(); i++) s.x8[i] = (int8_t)(uint8_t)(s.x8[i] + 128);
+#endif
+    const int nblocks = L.n / 16;
+    pool->run([&](int t) {
+      int64_t b0, b1;
+      split(nblocks, pool->size(), t, &b0, &b1);
+#if OC_VNNI
+      for (int64_t nb = b0; nb < b1; nb++)
+        for (int r0 = 0; r0 < m; r0 += 4) {
+          int mt = std::min(4, m - r0);
+          const int8_t* xr = s.x8.data() + (int64_t)r0 * L.k;
+          const float* xsr = s.xs.data() + r0;
+          float* yr = y + (int64_t)r0 * L.n;
+          if (L.kind == 0) {
+            const int32_t* gs = s.gsum.data() + (int64_t)r0 * (L.k / g);
+            switch (mt) {
+              case 1: q4_block<1>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 2: q4_block<2>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 3: q4_block<3>(L, xr, xsr, gs, nb, yr, L.n); break;
+              default: q4_block<4>(L, xr, xsr, gs, nb, yr, L.n); break;
+            }
+          } else {
+            const uint8_t* xu = (const uint8_t*)xr;
+            switch (mt) {
+              case 1: q8_block<1>(L, xu, xsr, nb, yr, L.n); break;
+              case 2: q8_block<2>(L, xu, xsr, nb, yr, L.n); break;
+              case 3: q8_block<3>(L, xu, xsr, nb, yr, L.n); break;
+              default: q8_block<4>(L, xu, xsr, nb, yr, L.n); break;
+            }
+          }
+        }
+#else
+      lowbit_scalar(L, s.x8.data(), s.xs.data(), s.gsum.data(), m, b0 * 16, b1 * 16, y);
+#endif
+    });
+  }
+  if (L.bias)
+    for (int r = 0; r < m; r++)
+      for (int n = 0; n < L.n; n++) y[(int64_t)r * L.n + n] += L.bias[n];
+}
+
+}  // namespace
