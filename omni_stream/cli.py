@@ -8,7 +8,7 @@ import sys
 import time
 
 from omni_stream.checkpoints.default import add_model_argument
-from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
+from omni_stream.config import ENGINES, LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
 
 log = logging.getLogger("omni_stream")
 
@@ -45,7 +45,7 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(a.threads) if a.threads else None
     dtype = torch.bfloat16 if a.weight_path in LOW_BIT_WEIGHT_PATHS else _dtype(a.dtype)
-    synth = Synthesizer.from_path(a.model, dtype=dtype, weight_path=a.weight_path)
+    synth = Synthesizer.from_path(a.model, dtype=dtype, weight_path=a.weight_path, engine=a.engine)
     if a.compile:
         from omni_stream.engine.compiled import compile_engine, compile_stats, warm_up
 
@@ -77,7 +77,7 @@ SERVE_PROFILE_FLAGS = {
     "talker_threads": "talker_threads", "codec_threads": "codec_threads",
     "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
     "kv_budget_mb": "kv_budget_mb", "weight_path": "weight_path", "compile": "compile",
-    "fidelity_first": "fidelity_first",
+    "fidelity_first": "fidelity_first", "engine": "engine",
 }
 
 
@@ -147,7 +147,7 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement, cuda_graphs=prof.cuda_graphs,
         weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
-        compile=prof.compile,
+        compile=prof.compile, engine=prof.engine,
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets))
@@ -272,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8/int4: low-bit talker/code-predictor weights (compute in bf16)")
     s.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder steps (cached across runs)")
+    s.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="what runs the decode step: torch ops, or the native CPU runtime")
     s.add_argument("--out", default=None, help="output wav path")
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)
@@ -305,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decoder steps, cached across restarts "
                         "(default: from the profile)")
+    v.add_argument("--engine", choices=ENGINES, default=None,
+                   help="what runs the decode step: 'native' (the CPU runtime, engine/cpu) or "
+                        "'torch' ops (default: from the profile: native on x86 CPUs with "
+                        "AVX-512 VNNI)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments

@@ -307,6 +307,19 @@ class ModelConfig:
 
 # Talker/code-predictor weight storage (models.quant). The low-bit ones compute in bf16 on CPU.
 WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
+# what runs the decode step: torch ops, or the CPU runtime (omni_stream/engine/cpu)
+ENGINES = ("torch", "native")
+
+
+def check_engine(engine: str, device: str, compile: bool = False) -> None:
+    """Refuse combinations that cannot run, naming the fix."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "native" and not str(device).startswith("cpu"):
+        raise ValueError(f"engine 'native' is the CPU runtime; on {device} use engine 'torch'")
+    if engine == "native" and compile:
+        raise ValueError("compile (torch.compile) applies to engine 'torch'; the native engine "
+                         "is compiled C++ already: drop --compile or use --engine torch")
 LOW_BIT_WEIGHT_PATHS = ("int8", "int4")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def test_user_overrides_every_field():
             "cp_threads": 1, "placement": "split", "cpu_sets": {"talker": [0], "cp": [1],
                                                                 "codec": [2, 3]},
             "cuda_graphs": False, "compile": False, "first_chunk": 2, "steady_chunk": 4,
-            "queue_timeout_s": 1.0, "fidelity_first": True}
+            "queue_timeout_s": 1.0, "fidelity_first": True, "engine": "torch"}
     assert set(user) == set(FIELDS)
     p, src = _build(hw, calibration={"first_chunk": 5, "steady_chunk": 9}, user=user)
     assert set(src.values()) == {"user"}
@@ -243,3 +244,25 @@ def test_low_bit_weight_paths_need_bf16_on_cpu():
         DeployProfile(dtype="bfloat16", weight_path="int4", device="cuda")
     with pytest.raises(ValueError, match="fidelity_first must be true or false"):
         DeployProfile(fidelity_first="yes")
+
+
+def test_engine_is_native_on_cpus_with_vnni_kernels_and_refused_where_it_cannot_run():
+    """The native CPU runtime where its kernels run (AVX-512 VNNI), torch elsewhere, on GPUs
+    and when torch.compile is asked for; a user's engine that cannot run is refused."""
+    vnni = _machine("local_xeon_2c")
+    assert {"avx512_vnni", "avx512f", "avx512bw", "f16c"} <= set(vnni.isa)
+    p, src = _build(vnni)
+    assert p.engine == "native" and src["engine"] == "derived"
+    p, _ = _build(vnni, user={"compile": True})
+    assert p.engine == "torch"
+    p, src = _build(vnni, user={"engine": "torch"})
+    assert p.engine == "torch" and src["engine"] == "user"
+    no_vnni = dataclasses.replace(vnni, isa=frozenset(vnni.isa) - {"avx512_vnni"})
+    assert _build(no_vnni)[0].engine == "torch"
+    assert _build(_machine("desktop_rtx4090", RTX_TORCH))[0].engine == "torch"
+    with pytest.raises(ValueError, match="engine 'native' is the CPU runtime"):
+        DeployProfile(device="cuda", dtype="bfloat16", weight_path="bf16", engine="native")
+    with pytest.raises(ValueError, match="drop --compile"):
+        DeployProfile(engine="native", compile=True)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        DeployProfile(engine="onnx")

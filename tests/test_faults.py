@@ -1,10 +1,11 @@
 """A fault fails its stream only: fault injection in each stage against the real pipeline.
 
 Four streams run together; one of them is made to fail inside the talker, the code predictor
-(co-located and in its own process) or the codec stage (``stages.faults``). That stream gets an
-``error`` event naming the invalid code; the other three finish complete and their codes are
-bit-identical to a run without the fault; the stages keep running (no restart), and the slots
-come back.
+(co-located and in its own process) or the codec stage (``stages.faults``), with the torch
+engine and with the native CPU runtime (exact weights: the same codes as the torch engine).
+That stream gets an ``error`` event naming the invalid code; the other three finish complete
+and their codes are bit-identical to a run without the fault; the stages keep running (no
+restart), and the slots come back.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ async def _ws_codes(s: aiohttp.ClientSession, url: str, text: str) -> tuple[np.n
         return codes, err
 
 
-def _run(ck, placement: str) -> tuple[list[tuple[np.ndarray, dict | None]], dict]:
+def _run(ck, placement: str, engine: str = "torch") -> tuple[list[tuple[np.ndarray, dict | None]], dict]:
     async def main():
         backend = PipelineBackend(PipelineSettings(
             model_path=str(ck), max_streams=4, max_seq_len=256, queue_timeout_s=60,
-            schedule=ChunkPolicy(first=1, steady=4), placement=placement))
+            schedule=ChunkPolicy(first=1, steady=4), placement=placement, engine=engine))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             out = await asyncio.gather(*[_ws_codes(s, url, t) for t in TEXTS])
             for _ in range(50):  # cancellations of failed streams settle within a frame or two
@@ -92,15 +93,17 @@ def test_without_a_fault_every_stream_equals_offline_synthesis(tiny_ckpt, baseli
     assert stats["streams_failed"] == 0 and stats["slots_free"] == 4
 
 
-@pytest.mark.parametrize("stage,placement", [("talker", "together"),
-                                             ("code_predictor", "together"),
-                                             ("code_predictor", "split"),
-                                             ("codec", "together")])
+@pytest.mark.parametrize("stage,placement,engine", [("talker", "together", "torch"),
+                                                    ("code_predictor", "together", "torch"),
+                                                    ("code_predictor", "split", "torch"),
+                                                    ("codec", "together", "torch"),
+                                                    ("talker", "together", "native"),
+                                                    ("code_predictor", "split", "native")])
 def test_a_fault_in_one_stage_fails_that_stream_only(tiny_ckpt, baseline, monkeypatch, stage,
-                                                     placement):
+                                                     placement, engine):
     # stream ids are handed out 1, 2, 3, ... per backend: the fault hits whichever text got 2
     monkeypatch.setenv(FAULTS_ENV, f"{stage}:2:{FAULT_FRAME}")
-    out, stats = _run(tiny_ckpt, placement)
+    out, stats = _run(tiny_ckpt, placement, engine)
     failed = [i for i, (_, err) in enumerate(out) if err is not None]
     assert len(failed) == 1, [err for _, err in out]
     codes, err = out[failed[0]]

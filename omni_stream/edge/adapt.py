@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS, check_engine
 from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
 
@@ -52,6 +52,8 @@ SMALL_CPU_CORES = 4
 # keeps more fidelity (teacher-forced logits SNR vs bf16 28 dB vs 10 dB on random weights).
 # Models smaller than LOWBIT_MIN_MODEL_BYTES are bound by per-op overhead, not weight bytes.
 LOWBIT_ISA = frozenset({"avx512_bf16", "amx_bf16"})
+# the native CPU runtime's fast kernels (engine/cpu): AVX-512 with VNNI dot products and F16C
+NATIVE_ISA = frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c"})
 LOWBIT_MIN_MODEL_BYTES = 512 << 20
 SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
 MAX_STAGE_THREADS = 8  # per-frame GEMMs are tiny (batch = streams); more threads only sync
@@ -85,11 +87,13 @@ class DeployProfile:
     cpu_sets: dict[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
     cuda_graphs: bool = False
     compile: bool = False
+    engine: str = "torch"  # what runs the decode step: torch ops or the native CPU runtime
     first_chunk: int = 1
     steady_chunk: int = 8
     queue_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        check_engine(self.engine, self.device, self.compile)
         for name, valid in (("dtype", DTYPES), ("weight_path", WEIGHT_PATHS),
                             ("device", DEVICES), ("placement", PLACEMENTS)):
             if getattr(self, name) not in valid:
@@ -313,6 +317,8 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
     }
+    out["engine"] = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
+                     and not inputs.get("compile") else "torch")
     placement = inputs.get("placement_user") or out["placement"]
     out["cuda_graphs"] = on_gpu and placement == "together"  # the talker stage graphs the step
     threads = derive_threads(hw, device, placement)
@@ -352,7 +358,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
     inputs = {"max_seq_len": pre["max_seq_len"], "max_streams": pre["max_streams"],
               "placement_user": user.get("placement"), "device_user": user.get("device"),
               "dtype_user": user.get("dtype"), "weight_path_user": user.get("weight_path"),
-              "fidelity_first": pre.get("fidelity_first", False),
+              "fidelity_first": pre.get("fidelity_first", False), "compile": pre.get("compile"),
               "kv_budget_mb_user": user.get("kv_budget_mb"),
               "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,

@@ -8,7 +8,12 @@ import torch
 
 from omni_stream.checkpoints import io
 from omni_stream.checkpoints.io import LoadedModel
+from omni_stream.config import check_engine
 from omni_stream.engine import quant
+
+# the CPU runtime's product kinds (talker, code predictor) for each weight path
+NATIVE_KINDS = {"int4": ("q4", "q4"), "int8": ("q8", "q8"), "bf16": ("f32", "f32"),
+                "fp32": ("f32", "f32"), None: ("f32", "f32")}
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -29,3 +34,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if weight_path in quant.QUANTIZED:
         quant.quantize_talker(model.weights.talker, weight_path)
     return model
+
+
+def load_for_engine(path: str | Path, dtype: torch.dtype, device: str, weight_path: str | None,
+                    engine: str) -> LoadedModel:
+    """The checkpoint as ``engine`` wants it: the torch engine applies low-bit weight paths to
+    the torch modules; the native engine packs its own from the exact weights."""
+    check_engine(engine, device)
+    return load_model(path, dtype, device, None if engine == "native" else weight_path)
+
+
+def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int) -> None:
+    """Switch a ``FrameEngine`` to the native runtime (no-op for the torch engine)."""
+    if engine == "native":
+        frame_engine.use_native(*NATIVE_KINDS[weight_path], threads=threads)

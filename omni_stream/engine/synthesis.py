@@ -15,7 +15,7 @@ import torch
 
 from omni_stream.checkpoints.default import resolve_model_path
 from omni_stream.checkpoints.io import LoadedModel
-from omni_stream.engine.loading import load_model
+from omni_stream.engine.loading import attach_engine, load_for_engine
 from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
 from omni_stream.engine.sampling import SamplingParams
@@ -40,8 +40,14 @@ class Synthesizer:
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                  weight_path: str | None = None) -> "Synthesizer":
-        return cls(load_model(resolve_model_path(path), dtype=dtype, weight_path=weight_path))
+                  weight_path: str | None = None, engine: str = "torch",
+                  threads: int | None = None) -> "Synthesizer":
+        """Load a checkpoint (``default``: the embedded model) for ``engine`` ("torch" or the
+        "native" CPU runtime) with ``weight_path``."""
+        path = resolve_model_path(path)
+        synth = cls(load_for_engine(path, dtype, "cpu", weight_path, engine))
+        attach_engine(synth.engine, engine, weight_path, threads or torch.get_num_threads())
+        return synth
 
     @torch.inference_mode()
     def generate_codes(self, req: PromptRequest, params: SamplingParams, seed: int,

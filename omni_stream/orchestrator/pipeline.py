@@ -40,7 +40,8 @@ def stage_specs(s: PipelineSettings) -> dict[str, StageSpec]:
         "talker": StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                             max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
                             weight_path=s.weight_path, compile=s.compile, throttle=s.throttle,
-                            cuda_graphs=s.cuda_graphs, cpus=tuple(s.cpu_sets.get("talker", ()))),
+                            cuda_graphs=s.cuda_graphs, engine=s.engine,
+                            cpus=tuple(s.cpu_sets.get("talker", ()))),
         "codec": StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                            threads=s.codec_threads, device=s.device,
                            cpus=tuple(s.cpu_sets.get("codec", ()))),
@@ -48,7 +49,8 @@ def stage_specs(s: PipelineSettings) -> dict[str, StageSpec]:
     if s.placement == "split":
         specs["cp"] = StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
                                 threads=s.cp_threads, device=s.device, weight_path=s.weight_path,
-                                compile=s.compile, cpus=tuple(s.cpu_sets.get("cp", ())))
+                                compile=s.compile, engine=s.engine,
+                                cpus=tuple(s.cpu_sets.get("cp", ())))
     return specs
 
 

@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from omni_stream.checkpoints.default import cache_dir
+from omni_stream.config import check_engine
 from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.scheduling.limits import FrameCap
@@ -19,6 +20,7 @@ class PipelineSettings:
     dtype: str = "float32"
     weight_path: str | None = None  # talker/code-predictor weights: None = dtype, int8, int4
     compile: bool = False  # torch.compile the decoder steps (cached across restarts)
+    engine: str = "torch"  # what runs the decode step: "torch" ops or the "native" CPU runtime
     max_streams: int = 4  # talker slots
     max_seq_len: int = 2048
     max_queue: int = 16
@@ -43,6 +45,7 @@ class PipelineSettings:
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        check_engine(self.engine, self.device, self.compile)
         if self.placement not in ("together", "split"):
             raise ValueError(f"placement must be 'together' or 'split', not {self.placement!r}")
         if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:
@@ -57,7 +60,7 @@ class PipelineSettings:
     def calibration_fingerprint(self) -> str:
         """Chunk-cost calibration holds for this hardware AND this model/deployment."""
         key = [hardware_fingerprint(), str(self.model_path), self.dtype, self.weight_path,
-               self.compile, self.max_streams,
+               self.compile, self.engine, self.max_streams,
                self.placement, self.talker_threads, self.codec_threads]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 

@@ -103,13 +103,14 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
     start_stage("cp", spec)
     import os
 
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import attach_engine, load_for_engine
 
     inp, out = in_handle.open(), out_handle.open()
-    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
-                       weight_path=spec.weight_path)
+    model = load_for_engine(spec.model_path, getattr(torch, spec.dtype), spec.device,
+                            spec.weight_path, spec.engine)
     engine = FrameEngine(model.weights.talker, EngineShape(max_slots=spec.max_slots, max_seq_len=2,
                                                            max_trailing=1), device=spec.device)
+    attach_engine(engine, spec.engine, spec.weight_path, spec.threads)
     if spec.compile:
         from omni_stream.engine.compiled import compile_engine, warm_up
 

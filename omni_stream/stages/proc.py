@@ -25,6 +25,7 @@ class StageSpec:
     weight_path: str | None = None  # None: weights in dtype; int8/int4: engine.quant
     compile: bool = False  # torch.compile the decoder steps (engine.compiled)
     cuda_graphs: bool = False  # talker: capture the frame step as CUDA graphs (engine.graphs)
+    engine: str = "torch"  # "native": the CPU runtime runs the decode step (engine/cpu)
 
     def __post_init__(self) -> None:
         if self.cuda_graphs and not self.device.startswith("cuda"):

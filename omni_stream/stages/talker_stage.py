@@ -263,14 +263,15 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     """Process entry point. ``cp_handles`` (to_cp producer, from_cp consumer) selects the split
     placement: the code predictor runs in its own stage process."""
     start_stage("talker", spec)
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import attach_engine, load_for_engine
 
     out = frames_handle.open()
-    model = load_model(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device,
-                       weight_path=spec.weight_path)
+    model = load_for_engine(spec.model_path, getattr(torch, spec.dtype), spec.device,
+                            spec.weight_path, spec.engine)
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
                         out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle),
                         faults=FaultPlan.from_env())
+    attach_engine(stage.engine, spec.engine, spec.weight_path, spec.threads)
     if spec.compile:
         from omni_stream.engine.compiled import compile_engine, warm_up
 
