@@ -147,9 +147,9 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> P
         lo = lo.half().float()
         q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
         deq = (q.float() * scale[..., None] + lo[..., None]).view(n, k)
-        qb = q.view(n // 16, 16, k // 4, 4)
-        packed = (qb[:, :8].permute(0, 2, 1, 3) | (qb[:, 8:].permute(0, 2, 1, 3) << 4))
-        packed = packed.reshape(n // 16, k // 4, 32).contiguous()
+        qb = q.view(n // 16, 16, k // 8, 2, 4)  # [block, row, k-quad pair, quad of the pair, i]
+        packed = (qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [b, pair, row, i]
+        packed = packed.reshape(n // 16, k // 8, 64).contiguous()
         sm = torch.stack((scale, lo), dim=-1).view(n // 16, 16, k // g, 2).permute(0, 2, 3, 1)
         sm = sm.contiguous().half()
         s.group, s.w, s.scales = g, packed.data_ptr(), sm.data_ptr()

@@ -37,45 +37,56 @@ void quantize_rows(const float* x, int m, int k, int g, int8_t* x8, float* xs, i
 }
 
 #if OC_VNNI
+typedef int32_t __attribute__((may_alias, aligned(1))) i32a;  // 4 activation bytes as one word
+
 // VPDPBUSD has a latency of several cycles: each row keeps 4 independent accumulators (one per
 // k-quad of a 16-byte step) so the chains overlap, summed at the end of each group.
+// q4 layout: per block of 16 rows, 64 bytes per pair of k-quads: byte 4 r + i holds row r's
+// weight at input 4 kq + i (low nibble) and 4 (kq + 1) + i (high nibble). One 64-byte load,
+// two masks and a shift give two VPDPBUSD operands (rows 0..15 in the lanes).
 template <int MT>
 void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int nb,
               float* y, int ldy) {
   const int k = L.k, g = L.group, ng = k / g;
-  const uint8_t* wb = L.w + (int64_t)nb * (k / 4) * 32;
+  const uint8_t* wb = L.w + (int64_t)nb * (k / 8) * 64;
   const uint16_t* sb = L.scales + (int64_t)nb * ng * 32;
   __m512 facc[MT];
   for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int j = 0; j < ng; j++) {
-    __m512i iacc[MT][4];
+    constexpr int A = MT <= 4 ? 4 : 2;  // accumulator chains per row (32 vector registers)
+    __m512i iacc[MT][A];
     for (int r = 0; r < MT; r++)
-      for (int u = 0; u < 4; u++) iacc[r][u] = _mm512_setzero_si512();
-    const uint8_t* wp = wb + (int64_t)j * (g / 4) * 32;
-    for (int kq = 0; kq < g / 4; kq += 4) {
-      __m512i wv[4];
-      for (int u = 0; u < 4; u++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i*)(wp + (kq + u) * 32));
-        __m256i lo = _mm256_and_si256(raw, mask);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        wv[u] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      }
-      const int kk = j * g + kq * 4;
+      for (int u = 0; u < A; u++) iacc[r][u] = _mm512_setzero_si512();
+    const uint8_t* wp = wb + (int64_t)j * (g / 8) * 64;
+    for (int kp = 0; kp < g / 8; kp += 2) {  // 2 loads = 4 k-quads = 16 inputs
+      __m512i r0 = _mm512_loadu_si512((const void*)(wp + kp * 64));
+      __m512i r1 = _mm512_loadu_si512((const void*)(wp + (kp + 1) * 64));
+      // high nibbles are used in place (x16, folded back with >> 4 per group): no shifts
+      __m512i w0 = _mm512_and_si512(r0, mask);
+      __m512i w1 = _mm512_andnot_si512(mask, r0);
+      __m512i w2 = _mm512_and_si512(r1, mask);
+      __m512i w3 = _mm512_andnot_si512(mask, r1);
+      const int kk = j * g + kp * 8;
       for (int r = 0; r < MT; r++) {
-        const int8_t* xr = x8 + (int64_t)r * k + kk;
-        for (int u = 0; u < 4; u++) {
-          int32_t xv;
-          std::memcpy(&xv, xr + 4 * u, 4);
-          iacc[r][u] = _mm512_dpbusd_epi32(iacc[r][u], wv[u], _mm512_set1_epi32(xv));
-        }
+        // broadcasts straight from memory (folded into VPDPBUSD's {1to16} operand)
+        const i32a* xr = reinterpret_cast<const i32a*>(x8 + (int64_t)r * k + kk);
+        iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, _mm512_set1_epi32(xr[0]));
+        iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, _mm512_set1_epi32(xr[1]));
+        iacc[r][2 % A] = _mm512_dpbusd_epi32(iacc[r][2 % A], w2, _mm512_set1_epi32(xr[2]));
+        iacc[r][3 % A] = _mm512_dpbusd_epi32(iacc[r][3 % A], w3, _mm512_set1_epi32(xr[3]));
       }
     }
     __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
     __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
     for (int r = 0; r < MT; r++) {
-      __m512i a = _mm512_add_epi32(_mm512_add_epi32(iacc[r][0], iacc[r][1]),
-                                   _mm512_add_epi32(iacc[r][2], iacc[r][3]));
+      // chains 0 (and 2) hold low nibbles, 1 (and 3) high nibbles times 16 (exact multiples)
+      __m512i lo = iacc[r][0], hi = iacc[r][1];
+      if constexpr (A == 4) {
+        lo = _mm512_add_epi32(lo, iacc[r][2]);
+        hi = _mm512_add_epi32(hi, iacc[r][3]);
+      }
+      __m512i a = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
       facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), facc[r]);
       facc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), facc[r]);
     }
@@ -93,12 +104,11 @@ void q8_block(const OcLinear& L, const uint8_t* xu, const float* xs, int nb, flo
   for (int kq = 0; kq < k / 4; kq += 4) {
     __m512i wv[4];
     for (int u = 0; u < 4; u++) wv[u] = _mm512_loadu_si512((const void*)(wb + (int64_t)(kq + u) * 64));
-    for (int r = 0; r < MT; r++)
-      for (int u = 0; u < 4; u++) {
-        int32_t xv;
-        std::memcpy(&xv, xu + (int64_t)r * k + (kq + u) * 4, 4);
-        iacc[r][u] = _mm512_dpbusd_epi32(iacc[r][u], _mm512_set1_epi32(xv), wv[u]);
-      }
+    for (int r = 0; r < MT; r++) {
+      const i32a* xr = reinterpret_cast<const i32a*>(xu + (int64_t)r * k + kq * 4);
+      for (int u = 0; u < 4; u++)
+        iacc[r][u] = _mm512_dpbusd_epi32(iacc[r][u], _mm512_set1_epi32(xr[u]), wv[u]);
+    }
   }
   __m512 rs = _mm512_loadu_ps(L.row_scale + nb * 16);
   __m512i sum128 = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(L.row_sum + nb * 16)), 7);
@@ -125,8 +135,8 @@ void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const i
           int32_t s = 0;
           for (int i = 0; i < g; i++) {
             int kk = j * g + i, kq = kk / 4, lane = kk % 4;
-            uint8_t byte = L.w[(nb * (k / 4) + kq) * 32 + (row % 8) * 4 + lane];
-            int q = row < 8 ? (byte & 15) : (byte >> 4);
+            uint8_t byte = L.w[(nb * (k / 8) + kq / 2) * 64 + row * 4 + lane];
+            int q = (kq % 2 == 0) ? (byte & 15) : (byte >> 4);
             s += q * x8[(int64_t)r * k + kk];
           }
           const uint16_t* sp = L.scales + (nb * ng + j) * 32;
@@ -194,8 +204,8 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       split(nblocks, pool->size(), t, &b0, &b1);
 #if OC_VNNI
       for (int64_t nb = b0; nb < b1; nb++)
-        for (int r0 = 0; r0 < m; r0 += 4) {
-          int mt = std::min(4, m - r0);
+        for (int r0 = 0; r0 < m; r0 += (L.kind == 0 ? 8 : 4)) {
+          int mt = std::min(L.kind == 0 ? 8 : 4, m - r0);
           const int8_t* xr = s.x8.data() + (int64_t)r0 * L.k;
           const float* xsr = s.xs.data() + r0;
           float* yr = y + (int64_t)r0 * L.n;
@@ -205,7 +215,11 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
               case 1: q4_block<1>(L, xr, xsr, gs, nb, yr, L.n); break;
               case 2: q4_block<2>(L, xr, xsr, gs, nb, yr, L.n); break;
               case 3: q4_block<3>(L, xr, xsr, gs, nb, yr, L.n); break;
-              default: q4_block<4>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 4: q4_block<4>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 5: q4_block<5>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 6: q4_block<6>(L, xr, xsr, gs, nb, yr, L.n); break;
+              case 7: q4_block<7>(L, xr, xsr, gs, nb, yr, L.n); break;
+              default: q4_block<8>(L, xr, xsr, gs, nb, yr, L.n); break;
             }
           } else {
             const uint8_t* xu = (const uint8_t*)xr;

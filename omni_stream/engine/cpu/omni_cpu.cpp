@@ -17,8 +17,8 @@
 //       the 128 sum w term removed with the row sums.
 //   f32: exact fp32 weights.
 // Layouts (N a multiple of 16, K a multiple of 4 and of the q4 group):
-//   q4 weights [N/16][K/4][32] bytes, byte j: row j/4 of the block (low nibble) and row 8 + j/4
-//      (high nibble) at input 4 kq + j%4; scales [N/16][K/G][2][16] fp16 (scale, offset).
+//   q4 weights [N/16][K/8][64] bytes, byte 4 r + i: row r at input 4 kq + i (low nibble) and
+//      4 (kq + 1) + i (high nibble), kq even; scales [N/16][K/G][2][16] fp16 (scale, offset).
 //   q8 weights [N/16][K/4][64] bytes, byte 4 r + i: row r at input 4 kq + i.
 // Built with -march=native by engine/cpu/build.py; without AVX-512 VNNI the same code runs
 // with a scalar fallback (correct, slow; the profile does not pick this engine there).
