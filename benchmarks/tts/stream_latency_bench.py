@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         import re
 
         for key in ("weight_path", "dtype", "talker_threads", "codec_threads", "placement",
-                    "compile"):
+                    "compile", "engine", "steady_chunk"):
             m = re.search(rf"^{key}\s+(\S+)\s+(\S+)$", log_path.read_text(), re.M)
             if m:
                 profile[key] = m.group(1)

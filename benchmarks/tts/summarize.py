@@ -37,7 +37,10 @@ OWN_OUTPUTS = ("summary.json",)
 HEADLINE = ("speedup_vs_official_per_frame", "ttfa_ms_p50_c1_0_6b", "rtf_c1_0_6b",
             "stateful_vs_window_decode_ratio", "max_realtime_streams_cpu_tiny",
             "ttfa_ms_p50_c1_0_6b_cuda", "rtf_c1_0_6b_cuda", "rtf_c1_0_6b_quantized",
-            "quantized_path", "cold_start_s", "warm_start_s")
+            "ttfa_ms_p50_c1_0_6b_quantized", "quantized_path", "engine_0_6b_quantized",
+            "max_realtime_streams_cpu_0_6b", "logits_snr_db_quantized",
+            "code0_agreement_quantized", "cp_agreement_quantized", "cold_start_s",
+            "warm_start_s", "soak_frames", "soak_invalid_codes", "soak_gap_ms_p99", "soak_pass")
 LOW_BIT = ("int8", "int4")
 
 
@@ -336,13 +339,64 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
                 best_q = (name, d, wp, c1[0])
     if best_q:
         name, d, wp, s = best_q
-        where = (f"label {d.get('label')!r}, weight path {wp}, concurrency 1, mean RTF over "
-                 "streams (fastest low-bit run)")
+        engine = (d.get("profile") or {}).get("engine") or (
+            "native" if "--engine native" in str(d.get("server_args")) else "torch")
+        where = (f"label {d.get('label')!r}, weight path {wp}, engine {engine}, concurrency 1, "
+                 "mean RTF over streams (fastest low-bit run)")
         put("rtf_c1_0_6b_quantized", s["rtf_mean"], name, d, where)
+        put("ttfa_ms_p50_c1_0_6b_quantized", s["ttfa_ms_p50"], name, d, where)
         put("quantized_path", wp, name, d, where)
+        put("engine_0_6b_quantized", engine, name, d, where)
+        ce = newest("cpu_engine_bench*.json")
+        kind = f"{engine}-{'q4' if wp == 'int4' else 'q8'}" if engine == "native" else f"torch-{wp}"
+        rows = [r for r in (ce[1].get("fidelity", []) if ce else []) if r.get("path") == kind]
+        if rows:
+            f = rows[0]
+            how = (f"{kind}, teacher-forced over {ce[1].get('fidelity_frames')} frames against "
+                   "fp32 torch")
+            put("logits_snr_db_quantized", f["logits_snr_db"], ce[0], ce[1], how)
+            put("code0_agreement_quantized", f["code0_agreement"], ce[0], ce[1], how)
+            put("cp_agreement_quantized", f["residual_agreement"], ce[0], ce[1], how)
+        else:
+            for k in ("logits_snr_db_quantized", "code0_agreement_quantized", "cp_agreement_quantized"):
+                missing[k] = f"no cpu_engine_bench*.json with a fidelity row for {kind}"
     else:
-        missing["rtf_c1_0_6b_quantized"] = missing["quantized_path"] = (
-            "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4")
+        for k in ("rtf_c1_0_6b_quantized", "quantized_path", "ttfa_ms_p50_c1_0_6b_quantized",
+                  "engine_0_6b_quantized", "logits_snr_db_quantized", "code0_agreement_quantized",
+                  "cp_agreement_quantized"):
+            missing[k] = "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4"
+
+    # real-time streams of the 0.6B shape on CPU (any weight path): the best run
+    key = "max_realtime_streams_cpu_0_6b"
+    best = None
+    for name, d in runs:
+        if "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and not is_cuda(d):
+            ok = [s["concurrency"] for s in d["summaries"]
+                  if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
+            n = max(ok, default=0)
+            if best is None or n > best[2]:
+                best = (name, d, n)
+    if best:
+        name, d, n = best
+        put(key, n, name, d, f"highest concurrency with zero underruns in every stream, label "
+            f"{d.get('label')!r}; levels tested {sorted(s['concurrency'] for s in d['summaries'])}")
+    else:
+        missing[key] = "no CPU stream_latency*.json for 0.6b"
+
+    so = newest("soak*.json")
+    if so and "frames" in so[1]:
+        d = so[1]
+        how = (f"{d.get('streams')} sampled streams at concurrency {d.get('concurrency')} on "
+               f"model {d.get('model')!r}, {d.get('disconnected')} cut by their clients, "
+               f"{d.get('injected_kills')} stage killed")
+        put("soak_frames", d["frames"], so[0], d, how)
+        put("soak_invalid_codes", d["invalid_codes_client"] + d.get("streams_failed_invalid_code_server", 0),
+            so[0], d, how + "; codes checked by clients plus streams the server failed for one")
+        put("soak_gap_ms_p99", d["gap_ms_p99"], so[0], d, how + f"; n = {d.get('gap_n')} gaps")
+        put("soak_pass", d["pass"], so[0], d, how)
+    else:
+        for k in ("soak_frames", "soak_invalid_codes", "soak_gap_ms_p99", "soak_pass"):
+            missing[k] = "no soak.json"
 
     ws = newest("warm_start_bench*.json")
     if ws and isinstance(ws[1].get("cold_start_s"), (int, float)):

@@ -396,7 +396,18 @@ def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
     w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
     lines = [f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
     lines.insert(1, f"{'-' * w0}  {'-' * w1}  {'-' * max(len(r[2]) for r in rows)}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {n}" for n in profile_notes(profile)])
+
+
+def profile_notes(profile: DeployProfile) -> list[str]:
+    """What a choice costs, where the profile trades fidelity for speed."""
+    if profile.weight_path == "int4":
+        return ["weight_path int4 is the fastest path here, and the least faithful: its talker "
+                "logits are ~8-10 dB from fp32 against ~27-29 dB for int8 (teacher-forced, random "
+                "0.6B weights: benchmarks/tts/results/cpu_engine_bench.md); int8 is not real time "
+                "on a CPU this small. --weight-path int8 for fidelity at lower speed, "
+                "--fidelity-first for exact weights."]
+    return []
 
 
 __all__ = [
