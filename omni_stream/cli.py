@@ -77,7 +77,7 @@ SERVE_PROFILE_FLAGS = {
     "talker_threads": "talker_threads", "codec_threads": "codec_threads",
     "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
     "kv_budget_mb": "kv_budget_mb", "weight_path": "weight_path", "compile": "compile",
-    "fidelity_first": "fidelity_first", "engine": "engine",
+    "fidelity_first": "fidelity_first", "engine": "engine", "lend_cores": "lend_cores",
 }
 
 
@@ -147,7 +147,7 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement, cuda_graphs=prof.cuda_graphs,
         weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
-        compile=prof.compile, engine=prof.engine,
+        compile=prof.compile, engine=prof.engine, lend_cores=prof.lend_cores,
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets))
@@ -311,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what runs the decode step: 'native' (the CPU runtime, engine/cpu) or "
                         "'torch' ops (default: from the profile: native on x86 CPUs with "
                         "AVX-512 VNNI)")
+    v.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the talker's native runtime compute on the codec stage's cores "
+                        "while Code2Wav is idle (needs the native engine and pinned stages; "
+                        "off by default: benchmarks/tts/results/core_lending.json)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments

@@ -168,3 +168,72 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
             p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), 3, y.data_ptr())
             ys.append(y)
         torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ lent cores
+def test_lent_threads_never_change_the_codes(tiny_model):
+    """A pool with a thread on a lent core gives the codes of one thread, whether the owner
+    holds the lease all along, never, or takes it back and gives it again while frames run
+    (another thread flips it every ~0.5 ms, as the codec stage does around each decode)."""
+    import os
+    import threading
+    import time
+
+    lent_cpu = max(os.sched_getaffinity(0))
+    one = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=3, max_seq_len=256))
+    one.use_native("q4", "q4", threads=1)
+    ref = _run(tiny_model, one, SamplingParams(), [3, 4], 10)
+    for mode in ("free", "held", "flipping"):
+        lease = native.CoreLease()
+        eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=3, max_seq_len=256))
+        eng.use_native("q4", "q4", threads=1, lent_cpus=(lent_cpu,), lease=lease)
+        stop = threading.Event()
+
+        def flip():
+            while not stop.is_set():
+                with lease.held():
+                    time.sleep(0.0005)
+                time.sleep(0.0005)
+
+        if mode == "held":
+            lease.acquire()
+        flipper = threading.Thread(target=flip) if mode == "flipping" else None
+        if flipper:
+            flipper.start()
+        try:
+            got = _run(tiny_model, eng, SamplingParams(), [3, 4], 10)
+        finally:
+            stop.set()
+            if flipper:
+                flipper.join()
+        own, lent = eng.native.pool.jobs()
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b, err_msg=mode)
+        if mode == "free":
+            assert own == 0 and lent > 0
+        elif mode == "held":
+            assert own > 0 and lent == 0 and not lease.busy
+        else:
+            assert own > 0 and lent > 0, (own, lent)
+
+
+def test_the_lease_waits_for_the_borrowers_job_then_goes_ahead(tmp_path):
+    """acquire() waits while the borrower's job runs on the lent core (busy), at most its
+    timeout; two mappings of one file (two processes in the server) see each other's words."""
+    path = tmp_path / "lease"
+    path.write_bytes(bytes(4096))
+    owner = native.CoreLease.open(str(path), 384, timeout_s=0.002)
+    borrower = native.CoreLease.open(str(path), 384)
+    assert not owner.wanted and not borrower.busy
+    owner.acquire()
+    assert borrower.wanted and owner.late == 0
+    owner.release()
+    assert not borrower.wanted
+    borrower._words[1] = 1  # a job in flight on the lent core
+    owner.acquire()  # waits 2 ms, then goes ahead and counts it
+    assert owner.late == 1 and borrower.wanted
+    owner.release()
+    borrower._words[1] = 0
+    with owner.held():
+        assert borrower.wanted
+    assert not borrower.wanted and owner.late == 1

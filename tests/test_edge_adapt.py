@@ -148,7 +148,8 @@ def test_user_overrides_every_field():
             "cp_threads": 1, "placement": "split", "cpu_sets": {"talker": [0], "cp": [1],
                                                                 "codec": [2, 3]},
             "cuda_graphs": False, "compile": False, "first_chunk": 2, "steady_chunk": 4,
-            "queue_timeout_s": 1.0, "fidelity_first": True, "engine": "torch"}
+            "queue_timeout_s": 1.0, "fidelity_first": True, "engine": "torch",
+            "lend_cores": False}
     assert set(user) == set(FIELDS)
     p, src = _build(hw, calibration={"first_chunk": 5, "steady_chunk": 9}, user=user)
     assert set(src.values()) == {"user"}
@@ -266,3 +267,24 @@ def test_engine_is_native_on_cpus_with_vnni_kernels_and_refused_where_it_cannot_
         DeployProfile(engine="native", compile=True)
     with pytest.raises(ValueError, match="engine must be one of"):
         DeployProfile(engine="onnx")
+
+
+def test_codec_lends_its_cores_only_when_asked_and_where_it_can():
+    """Off by default (measured no better: benchmarks/tts/results/core_lending.json); on when
+    asked with the native engine, the code predictor in the talker's process and both stages
+    pinned; refused by name when asked for where it cannot work."""
+    vnni = _machine("local_xeon_2c")
+    p, src = _build(vnni)
+    assert not p.lend_cores and src["lend_cores"] == "derived"
+    assert p.cpu_sets["talker"] and p.cpu_sets["codec"]
+    p, src = _build(vnni, user={"lend_cores": True})
+    assert p.lend_cores and src["lend_cores"] == "user" and p.engine == "native"
+    assert not _build(_machine("desktop_rtx4090", RTX_TORCH))[0].lend_cores
+    with pytest.raises(ValueError, match="lend_cores needs placement 'together'"):
+        _build(vnni, user={"placement": "split", "lend_cores": True})
+    with pytest.raises(ValueError, match="lend_cores needs engine 'native'"):
+        _build(vnni, user={"engine": "torch", "lend_cores": True})
+    with pytest.raises(ValueError, match="lend_cores needs cpu_sets"):
+        DeployProfile(engine="native", dtype="bfloat16", weight_path="int4", lend_cores=True)
+    with pytest.raises(ValueError, match="lend_cores must be true or false"):
+        DeployProfile(lend_cores="yes")

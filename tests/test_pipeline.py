@@ -363,6 +363,36 @@ def test_stages_pinned_to_disjoint_cpu_sets(tiny_ckpt):
     assert talker == {cpus[0]} and codec == {cpus[1]}
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_lent_codec_cores_serve_the_same_audio(tiny_ckpt):
+    """The codec lends its core to the talker's native runtime while it does not decode: the
+    same seeded requests give the same samples as without lending, and the talker's runtime
+    has a thread pinned to the codec's CPU (that it runs jobs there: test_cpu_engine)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = {"talker": (cpus[0],), "codec": (cpus[1],)}
+
+    async def main():
+        out = {}
+        for lend in (False, True):
+            backend = PipelineBackend(_settings(tiny_ckpt, engine="native", cpu_sets=sets,
+                                                lend_cores=lend))
+            async with running_server(backend) as url, aiohttp.ClientSession() as s:
+                results = await asyncio.gather(*[
+                    _speech(s, url, input=f"{TEXT} {i}", response_format="pcm", seed=60 + i,
+                            max_new_tokens=16) for i in range(3)])
+                assert all(r[0] == 200 for r in results)
+                out[lend] = [r[2] for r in results]
+                if lend:
+                    threads = os.listdir(f"/proc/{backend.sup.pipe.talker.pid}/task")
+                    affinities = {frozenset(os.sched_getaffinity(int(t))) for t in threads}
+                    assert frozenset({cpus[1]}) in affinities and frozenset({cpus[0]}) in affinities
+        assert all(_close_pcm(a, b) for a, b in zip(out[False], out[True]))
+        with pytest.raises(ValueError, match="lend_cores needs engine 'native'"):
+            _settings(tiny_ckpt, cpu_sets=sets, lend_cores=True)
+
+    run_async(main(), timeout=300)
+
+
 def test_pin_cpus_outside_the_allowed_set_is_a_warning(caplog):
     from omni_stream.stages.proc import pin_cpus
 

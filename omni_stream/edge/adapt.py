@@ -88,6 +88,8 @@ class DeployProfile:
     cuda_graphs: bool = False
     compile: bool = False
     engine: str = "torch"  # what runs the decode step: torch ops or the native CPU runtime
+    # the codec stage lends its cores to the talker's native runtime while it is not decoding
+    lend_cores: bool = False
     first_chunk: int = 1
     steady_chunk: int = 8
     queue_timeout_s: float = 10.0
@@ -107,7 +109,7 @@ class DeployProfile:
         if self.steady_chunk < self.first_chunk:
             raise ValueError(f"steady_chunk ({self.steady_chunk}) must be >= first_chunk "
                              f"({self.first_chunk})")
-        for name in ("cuda_graphs", "compile", "fidelity_first"):
+        for name in ("cuda_graphs", "compile", "fidelity_first", "lend_cores"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graphs and self.device != "cuda":
@@ -130,6 +132,10 @@ class DeployProfile:
                                               or self.kv_budget_mb <= 0):
             raise ValueError(f"kv_budget_mb must be null or > 0, got {self.kv_budget_mb!r}")
         object.__setattr__(self, "cpu_sets", _normalise_cpu_sets(self.cpu_sets, self.placement))
+        if self.lend_cores:
+            why = lend_cores_blocker(self.engine, self.placement, self.cpu_sets)
+            if why:
+                raise ValueError(f"lend_cores {why}; set lend_cores false")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(DeployProfile))
@@ -144,6 +150,20 @@ CHUNK_POLICY_ONLY = frozenset({"growth", "min_slack_s", "audio_frame_s"})  # not
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def lend_cores_blocker(engine: str, placement: str, cpu_sets: Mapping[str, Any]) -> str | None:
+    """Why the codec stage cannot lend its cores to the talker here (None: it can). Lending
+    needs the native runtime (its pool runs the borrowed threads), the code predictor in the
+    talker's process, and the two stages pinned to their own CPUs (the lent threads are
+    pinned to the codec's)."""
+    if engine != "native":
+        return "needs engine 'native' (its thread pool borrows the codec's cores)"
+    if placement != "together":
+        return "needs placement 'together'"
+    if not cpu_sets.get("talker") or not cpu_sets.get("codec"):
+        return "needs cpu_sets for the talker and the codec stages"
+    return None
 
 
 def _normalise_cpu_sets(sets: Any, placement: str) -> dict[str, tuple[int, ...]]:
@@ -325,6 +345,10 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     out.update(threads)
     out["cpu_sets"] = derive_cpu_sets(hw, {**threads, **inputs.get("threads_user", {})},
                                       placement)
+    # Lending the codec's core to the talker's runtime is opt-in (--lend-cores): measured on a
+    # 2-core EPYC (benchmarks/tts/results/core_lending.json) it gave 1 stream RTF 0.81 / 0.87
+    # against 0.88 pinned, within this machine's noise, and 2 streams 1.42 / 1.47 against 1.24.
+    out["lend_cores"] = False
     out.update(derive_memory(
         hw, device=inputs.get("device_user") or device,
         weight_path=inputs.get("weight_path_user") or out["weight_path"],
@@ -359,6 +383,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
               "placement_user": user.get("placement"), "device_user": user.get("device"),
               "dtype_user": user.get("dtype"), "weight_path_user": user.get("weight_path"),
               "fidelity_first": pre.get("fidelity_first", False), "compile": pre.get("compile"),
+              "engine_user": user.get("engine"), "cpu_sets_user": user.get("cpu_sets"),
               "kv_budget_mb_user": user.get("kv_budget_mb"),
               "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,

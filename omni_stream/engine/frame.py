@@ -116,14 +116,18 @@ class FrameEngine:
         self.native = None
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
-                   threads: int | None = None) -> None:
+                   threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
+                   lease=None) -> None:
         """Run the talker step, its head, prefill and the code predictor's frame on the CPU
-        runtime (``engine/cpu``) with the given weight paths; the engine's state is shared."""
+        runtime (``engine/cpu``) with the given weight paths; the engine's state is shared.
+        ``lent_cpus``/``lease``: extra runtime threads on cores lent by another process while
+        it does not hold the lease (``engine.cpu.native.Pool``)."""
         from omni_stream.engine.cpu.native import NativeRunner
 
         if self.device.type != "cpu":
             raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
-        self.native = NativeRunner(self, talker_kind, cp_kind, threads)
+        self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
+                                   lease=lease)
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,

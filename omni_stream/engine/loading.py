@@ -44,7 +44,12 @@ def load_for_engine(path: str | Path, dtype: torch.dtype, device: str, weight_pa
     return load_model(path, dtype, device, None if engine == "native" else weight_path)
 
 
-def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int) -> None:
-    """Switch a ``FrameEngine`` to the native runtime (no-op for the torch engine)."""
+def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int, *,
+                  lent_cpus: tuple[int, ...] = (), lease=None) -> None:
+    """Switch a ``FrameEngine`` to the native runtime (no-op for the torch engine);
+    ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.native.Pool``)."""
     if engine == "native":
-        frame_engine.use_native(*NATIVE_KINDS[weight_path], threads=threads)
+        frame_engine.use_native(*NATIVE_KINDS[weight_path], threads=threads, lent_cpus=lent_cpus,
+                                lease=lease)
+    elif lent_cpus:
+        raise ValueError("lent cores need the native engine")

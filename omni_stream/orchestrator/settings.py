@@ -42,6 +42,7 @@ class PipelineSettings:
     throttle: bool = True  # playback-slack prefill throttling in the talker stage
     cpu_sets: dict = field(default_factory=dict)  # stage ('talker'|'cp'|'codec') -> CPU ids
     cp_threads: int = 1
+    lend_cores: bool = False  # codec's cores run talker runtime threads while it is idle
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -56,12 +57,18 @@ class PipelineSettings:
         if self.cuda_graphs and self.placement != "together":
             raise ValueError("cuda_graphs needs placement 'together' (with 'split' the code "
                              "predictor runs in another process, outside the graph)")
+        if self.lend_cores:
+            from omni_stream.edge.adapt import lend_cores_blocker
+
+            why = lend_cores_blocker(self.engine, self.placement, self.cpu_sets)
+            if why:
+                raise ValueError(f"lend_cores {why}; set lend_cores false")
 
     def calibration_fingerprint(self) -> str:
         """Chunk-cost calibration holds for this hardware AND this model/deployment."""
         key = [hardware_fingerprint(), str(self.model_path), self.dtype, self.weight_path,
                self.compile, self.engine, self.max_streams,
-               self.placement, self.talker_threads, self.codec_threads]
+               self.placement, self.talker_threads, self.codec_threads, self.lend_cores]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def calibration_cache(self) -> CalibrationCache:

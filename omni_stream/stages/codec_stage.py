@@ -18,6 +18,7 @@ keeps serving the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from omni_stream.stages.proc import start_stage
 log = logging.getLogger(__name__)
 
 READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the audio ring
+_NO_LEASE = contextlib.nullcontext()
 
 
 @dataclass
@@ -80,6 +82,9 @@ class CodecStage:
         self.decode_s = 0.0
         self.decoded_frames = 0
         self.calls = 0
+        # the core lease this stage lends its cores through (run_codec_stage sets it when the
+        # talker borrows them): held for the length of each decode
+        self.lease = None
 
     def on_message(self, m: Message) -> None:
         stepstats.record_ns("hop.frames.enqueue_put", m.enqueue_ns, m.put_ns)
@@ -201,7 +206,8 @@ class CodecStage:
             codes = np.stack([np.concatenate(st.buf[:n], axis=0).T for _, st in group])  # [k,16,n]
             t0 = time.perf_counter()
             try:
-                pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
+                with self.lease.held() if self.lease is not None else _NO_LEASE:
+                    pcm = self.dec.decode([st.slot for _, st in group], torch.from_numpy(codes))
                 pcm = pcm.float().cpu().numpy()
             except Exception as e:  # this call's streams (their decoder state is half-written)
                 log.exception("decode of %d streams failed", len(group))
@@ -254,6 +260,11 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
+    if spec.lends_cores:  # take the lent cores back from the talker for each decode
+        from omni_stream.engine.cpu.native import CoreLease
+        from omni_stream.transport.ring import LEASE_OFF
+
+        stage.lease = CoreLease.open(frames_handle.path, LEASE_OFF)
     out.put(None, kind=MsgKind.EVENT, stream_id=READY_STREAM_ID, timeout=5.0)
     try:
         did = False

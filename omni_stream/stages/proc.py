@@ -26,6 +26,11 @@ class StageSpec:
     compile: bool = False  # torch.compile the decoder steps (engine.compiled)
     cuda_graphs: bool = False  # talker: capture the frame step as CUDA graphs (engine.graphs)
     engine: str = "torch"  # "native": the CPU runtime runs the decode step (engine/cpu)
+    # Core lending (the lease in the frames ring, engine.cpu.native.CoreLease): the talker runs
+    # extra runtime threads pinned to ``lent_cpus`` (the codec's CPUs) while the codec stage,
+    # which ``lends_cores``, is not decoding.
+    lent_cpus: tuple[int, ...] = ()
+    lends_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graphs and not self.device.startswith("cuda"):

@@ -108,7 +108,12 @@ class TalkerStage:
 
     def stats(self) -> dict[str, float]:
         sc = self.sched
-        return dict(active=len(sc.decoding()), pending=len(sc.pending), free_slots=sc.free_slots(),
+        lent = {}
+        native = self.engine.native
+        if native is not None and native.pool.lease is not None:
+            own, borrowed = native.pool.jobs()  # runtime jobs run on its own cores / lent ones
+            lent = {"lent_core_jobs": borrowed, "own_core_jobs": own}
+        return dict(**lent,active=len(sc.decoding()), pending=len(sc.pending), free_slots=sc.free_slots(),
                     steps=self.steps, prefills=self.prefills, failed=self.failed,
                     step_ms_mean=1e3 * self.step_s / max(self.steps, 1),
                     prefill_ms_mean=1e3 * self.prefill_s / max(self.prefills, 1),
@@ -271,7 +276,14 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     stage = TalkerStage(model, EngineShape(max_slots=spec.max_slots, max_seq_len=spec.max_seq_len),
                         out, device=spec.device, throttle=ThrottleSettings(enabled=spec.throttle),
                         faults=FaultPlan.from_env())
-    attach_engine(stage.engine, spec.engine, spec.weight_path, spec.threads)
+    lease = None
+    if spec.lent_cpus:
+        from omni_stream.engine.cpu.native import CoreLease
+        from omni_stream.transport.ring import LEASE_OFF
+
+        lease = CoreLease.open(frames_handle.path, LEASE_OFF)
+    attach_engine(stage.engine, spec.engine, spec.weight_path, spec.threads,
+                  lent_cpus=spec.lent_cpus, lease=lease)
     if spec.compile:
         from omni_stream.engine.compiled import compile_engine, warm_up
 

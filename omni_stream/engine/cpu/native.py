@@ -83,22 +83,115 @@ def _lib(path: str | None = None) -> C.CDLL:
         lib.oc_code_predictor_frame.argtypes = [C.c_void_p, C.POINTER(OcCodePredictor), C.c_int32,
                                                 C.c_void_p, C.c_void_p, C.POINTER(OcSampling),
                                                 C.c_void_p]
+        lib.oc_pool_create_lent.restype = C.c_void_p
+        lib.oc_pool_create_lent.argtypes = [C.c_int32, C.c_int32, C.c_void_p]
+        lib.oc_pool_set_lease.argtypes = [C.c_void_p, C.c_void_p]
+        lib.oc_pool_jobs.argtypes = [C.c_void_p, C.POINTER(C.c_uint64), C.POINTER(C.c_uint64)]
+        lib.oc_lease_acquire.restype = C.c_int32
+        lib.oc_lease_acquire.argtypes = [C.c_void_p, C.c_int64]
+        lib.oc_lease_release.argtypes = [C.c_void_p]
         lib._omni_typed = True
     return lib
 
 
 class Pool:
-    """The runtime's worker threads (the caller plus ``threads - 1`` spinning workers)."""
+    """The runtime's worker threads (the caller plus ``threads - 1`` spinning workers).
 
-    def __init__(self, threads: int, lib: C.CDLL | None = None) -> None:
+    ``lent_cpus``: extra workers, one pinned to each of these CPUs, that belong to another
+    process (the codec stage) and join a job only while that process does not hold the
+    ``lease`` (a :class:`CoreLease`; see ``oc_pool.h``). Results do not depend on which
+    threads ran a job."""
+
+    def __init__(self, threads: int, lib: C.CDLL | None = None, *,
+                 lent_cpus: tuple[int, ...] = (), lease: "CoreLease | None" = None) -> None:
         self.lib = lib or _lib()
-        self.threads = max(1, int(threads))
-        self.handle = self.lib.oc_pool_create(self.threads)
+        own = max(1, int(threads))
+        self.threads = own + len(lent_cpus)
+        if self.threads > 255:
+            raise ValueError(f"the CPU runtime runs at most 255 threads, got {self.threads}")
+        if lent_cpus:
+            cpus = (C.c_int32 * self.threads)(*([-1] * own + [int(c) for c in lent_cpus]))
+            self.handle = self.lib.oc_pool_create_lent(self.threads, len(lent_cpus), cpus)
+        else:
+            self.handle = self.lib.oc_pool_create(self.threads)
+        self.lease = lease  # kept alive as long as the pool reads it
+        if lease is not None:
+            self.lib.oc_pool_set_lease(self.handle, lease.address)
+
+    def jobs(self) -> tuple[int, int]:
+        """(jobs run on the pool's own threads only, jobs run with the lent ones) so far."""
+        own, lent = C.c_uint64(), C.c_uint64()
+        self.lib.oc_pool_jobs(self.handle, C.byref(own), C.byref(lent))
+        return own.value, lent.value
 
     def __del__(self) -> None:
         if getattr(self, "handle", None):
             self.lib.oc_pool_destroy(self.handle)
             self.handle = None
+
+
+class CoreLease:
+    """Two int32 words in shared memory by which a process lends its cores to a native pool
+    while it is idle: ``with lease.held():`` around the owner's own work takes them back (waits
+    for the pool's job in flight, at most ``timeout_s``).
+
+    ``CoreLease.open(path, offset)`` maps the words from a file both processes can open (a
+    ring's segment: ``transport.ring.LEASE_OFF``) with a mapping of its own, so the lease
+    outlives and never pins the ring's mapping; ``CoreLease()`` keeps them in private memory
+    (one process, tests)."""
+
+    def __init__(self, buffer=None, lib: C.CDLL | None = None, timeout_s: float = 0.005) -> None:
+        self._map = None
+        self._words = (C.c_int32 * 2)() if buffer is None else (C.c_int32 * 2).from_buffer(buffer)
+        self.address = C.addressof(self._words)
+        self.lib = lib or _lib()
+        self.timeout_us = int(timeout_s * 1e6)
+        self.late = 0  # acquisitions that went ahead after the timeout
+
+    @classmethod
+    def open(cls, path: str, offset: int, **kw) -> "CoreLease":
+        import mmap
+        import os
+
+        page = offset - offset % mmap.ALLOCATIONGRANULARITY
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mm = mmap.mmap(fd, offset - page + 8, offset=page)
+        finally:
+            os.close(fd)
+        lease = cls(memoryview(mm)[offset - page:offset - page + 8], **kw)
+        lease._map = mm  # the words point into it: keep it mapped for the lease's lifetime
+        return lease
+
+    def acquire(self) -> None:
+        if not self.lib.oc_lease_acquire(self.address, self.timeout_us):
+            self.late += 1
+
+    def release(self) -> None:
+        self.lib.oc_lease_release(self.address)
+
+    @property
+    def wanted(self) -> bool:
+        return bool(self._words[0])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._words[1])
+
+    def held(self):
+        return _Held(self)
+
+
+class _Held:
+    def __init__(self, lease: CoreLease) -> None:
+        self.lease = lease
+
+    def __enter__(self) -> CoreLease:
+        self.lease.acquire()
+        return self.lease
+
+    def __exit__(self, *exc) -> None:
+        self.lease.release()
 
 
 # ------------------------------------------------------------------------------ packing
@@ -221,12 +314,15 @@ class NativeStack:
 class NativeRunner:
     """The frame engine's talker step, talker head, prefill and code-predictor frame on the CPU
     runtime (``FrameEngine.use_native``). ``kinds``: weight path of the talker and of the code
-    predictor ("q4", "q8" or "f32"); ``threads``: the runtime's threads (the caller included)."""
+    predictor ("q4", "q8" or "f32"); ``threads``: the runtime's threads (the caller included);
+    ``lent_cpus`` / ``lease``: more threads on another process's cores (``Pool``)."""
 
     def __init__(self, engine, talker_kind: str = "q4", cp_kind: str = "q4",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
+                 lease: CoreLease | None = None) -> None:
         self.lib = _lib()
-        self.pool = Pool(threads or torch.get_num_threads())
+        self.pool = Pool(threads or torch.get_num_threads(), self.lib, lent_cpus=lent_cpus,
+                         lease=lease)
         t, cp = engine.talker, engine.talker.code_predictor
         self.talker = NativeStack(t.model, engine.kv.layers, talker_kind)
         self.head = pack_linear(t.codec_head, talker_kind)

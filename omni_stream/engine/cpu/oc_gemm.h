@@ -185,7 +185,7 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
   if (L.kind == 2) {
     pool->run([&](int t) {
       int64_t lo, hi;
-      split(L.n, pool->size(), t, &lo, &hi);
+      split(L.n, pool->active(), t, &lo, &hi);
       f32_rows(L, x, m, lo, hi, y);
     });
   } else {
@@ -201,7 +201,7 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
     const int nblocks = L.n / 16;
     pool->run([&](int t) {
       int64_t b0, b1;
-      split(nblocks, pool->size(), t, &b0, &b1);
+      split(nblocks, pool->active(), t, &b0, &b1);
 #if OC_VNNI
       for (int64_t nb = b0; nb < b1; nb++)
         for (int r0 = 0; r0 < m; r0 += (L.kind == 0 ? 8 : 4)) {

@@ -152,7 +152,7 @@ void stack_step(Pool* pool, const OcStack& S, const OcCache& C, int m, const int
     // (row, kv head) pairs are shared out over the pool's threads
     pool->run([&](int t) {
       int64_t lo, hi;
-      split((int64_t)m * Hkv, pool->size(), t, &lo, &hi);
+      split((int64_t)m * Hkv, pool->active(), t, &lo, &hi);
       for (int64_t i = lo; i < hi; i++) {
         int r = (int)(i / Hkv), hk = (int)(i % Hkv);
         attend_rows(st.qkv.data() + (int64_t)r * qkv_n, qkv_n, H, Hkv, D, kc, vc, C.bf16, C.length,

@@ -33,7 +33,24 @@
 extern "C" {
 
 void* oc_pool_create(int32_t threads) { return new Pool(threads); }
+// `lent` of the threads run on another process's cores (see Pool); cpus[threads]: each
+// thread's CPU (-1: unpinned; cpus[0] is the caller and is not pinned here)
+void* oc_pool_create_lent(int32_t threads, int32_t lent, const int32_t* cpus) {
+  return new Pool(threads, lent, cpus);
+}
 void oc_pool_destroy(void* p) { delete static_cast<Pool*>(p); }
+void oc_pool_set_lease(void* p, void* lease) {
+  static_cast<Pool*>(p)->set_lease(static_cast<CoreLease*>(lease));
+}
+// jobs run on the pool's own threads only / with its lent threads (since creation)
+void oc_pool_jobs(void* p, uint64_t* own, uint64_t* lent) {
+  *own = static_cast<Pool*>(p)->jobs_own();
+  *lent = static_cast<Pool*>(p)->jobs_lent();
+}
+int32_t oc_lease_acquire(void* lease, int64_t timeout_us) {
+  return lease_acquire(static_cast<CoreLease*>(lease), timeout_us);
+}
+void oc_lease_release(void* lease) { lease_release(static_cast<CoreLease*>(lease)); }
 int32_t oc_has_vnni() { return OC_VNNI; }
 
 struct OcSampling {  // per row of a call
