@@ -192,6 +192,10 @@ def _cpu_model() -> str:
     return "unknown"
 
 
+def _fmt(v) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
 def markdown(res: dict) -> str:
     fid = {r["path"].split(" ")[0]: r for r in res["fidelity"]}
     lines = [f"# CPU decode-step runtimes ({res['cpu']})", "",
@@ -207,7 +211,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['path']} | {r['threads']} | {r['talker_ms_b1']:.1f} | "
                      f"{r['cp_substep_ms_b1']:.2f} | {r['frame_ms_b1']:.1f} | {r['gbs_b1']:.1f} | "
                      f"{r['frame_ms_b4']:.1f} | {'' if snr is None else f'{snr:.1f}'} | "
-                     f"{f.get('code0_agreement', '')} | {f.get('residual_agreement', '')} |")
+                     f"{_fmt(f.get('code0_agreement'))} | {_fmt(f.get('residual_agreement'))} |")
     return "\n".join(lines) + "\n"
 
 
