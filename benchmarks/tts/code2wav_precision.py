@@ -1,0 +1,89 @@
+"""Where Code2Wav's bf16 error comes from: audio SNR against the fp32 decode of the same codes
+when one part of the decoder runs in bf16 (the rest fp32), and when all but one part do.
+
+Each part's parameters are cast to bf16 and its input cast to bf16 (its output back to fp32),
+so the table shows which parts would have to stay fp32 for a mixed-precision decode to reach a
+target SNR. One-pass decode of random codes (streamed output equals it, tested elsewhere).
+Prints a table, writes JSON.
+
+    python benchmarks/tts/code2wav_precision.py --model /tmp/ck-06b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = {
+    "quantizer+pre_conv": ["quantizer", "pre_conv"],
+    "transformer": ["pre_transformer"],
+    "upsample": ["upsample.0.0", "upsample.0.1", "upsample.1.0", "upsample.1.1"],
+    "decoder.0 conv": ["decoder.0"],
+    "block 1": ["decoder.1"], "block 2": ["decoder.2"], "block 3": ["decoder.3"],
+    "block 4": ["decoder.4"], "output snake+conv": ["decoder.5", "decoder.6"],
+}
+
+
+def _snr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
+
+
+def _mixed(model_path: str, low: list[str]):
+    from omni_stream.checkpoints.io import load_codec
+
+    m = load_codec(model_path, dtype=torch.float32)
+    for part in low:
+        for name in PARTS[part]:
+            mod = m.get_submodule(name).to(torch.bfloat16)
+            inner = mod.forward
+
+            def fwd(x, *a, _f=inner, **kw):
+                a = tuple(t.bfloat16() if torch.is_tensor(t) and t.is_floating_point() else t
+                          for t in a)
+                y = _f(x.bfloat16() if x.is_floating_point() else x, *a, **kw)
+                return y.float()
+
+            mod.forward = fwd
+    return m
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--frames", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "code2wav_precision.json"))
+    a = ap.parse_args()
+    from omni_stream.checkpoints.io import load_codec
+
+    torch.manual_seed(a.seed)
+    ref_model = load_codec(a.model, dtype=torch.float32)
+    cfg = ref_model.cfg
+    codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, a.frames))
+    rows = []
+    with torch.inference_mode():
+        ref = ref_model(codes)
+        pure = float(_snr(load_codec(a.model, dtype=torch.bfloat16)(codes).float(), ref))
+        rows.append({"bf16": "all (the model cast to bf16)", "snr_db": pure})
+        for part in PARTS:
+            rows.append({"bf16": f"only {part}", "snr_db": _snr(_mixed(a.model, [part])(codes), ref)})
+        for part in PARTS:
+            others = [p for p in PARTS if p != part]
+            rows.append({"bf16": f"all but {part}", "snr_db": _snr(_mixed(a.model, others)(codes), ref)})
+    print(f"{'parts in bf16 (rest fp32)':<40} audio SNR vs fp32 dB")
+    for r in rows:
+        print(f"{r['bf16']:<40} {r['snr_db']:6.1f}")
+    doc = {"model": a.model, "frames": a.frames, "seed": a.seed, "rows": rows,
+           "command": "python benchmarks/tts/code2wav_precision.py " + " ".join(sys.argv[1:])}
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
