@@ -313,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "AVX-512 VNNI)")
     v.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
                    help="let the talker's native runtime compute on the codec stage's cores "
-                        "while Code2Wav is idle (needs the native engine and pinned stages; "
-                        "off by default: benchmarks/tts/results/core_lending.json)")
+                        "while Code2Wav is idle (default: from the profile: on with the native "
+                        "engine and pinned stages)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments

@@ -269,17 +269,19 @@ def test_engine_is_native_on_cpus_with_vnni_kernels_and_refused_where_it_cannot_
         DeployProfile(engine="onnx")
 
 
-def test_codec_lends_its_cores_only_when_asked_and_where_it_can():
-    """Off by default (measured no better: benchmarks/tts/results/core_lending.json); on when
-    asked with the native engine, the code predictor in the talker's process and both stages
-    pinned; refused by name when asked for where it cannot work."""
+def test_codec_lends_its_cores_where_the_native_runtime_can_borrow_them():
+    """Derived on with the native engine, the code predictor in the talker's process and both
+    stages pinned; off (not refused) when a user's choice rules it out; refused by name when
+    asked for where it cannot work."""
     vnni = _machine("local_xeon_2c")
     p, src = _build(vnni)
-    assert not p.lend_cores and src["lend_cores"] == "derived"
+    assert p.lend_cores and src["lend_cores"] == "derived"
     assert p.cpu_sets["talker"] and p.cpu_sets["codec"]
-    p, src = _build(vnni, user={"lend_cores": True})
-    assert p.lend_cores and src["lend_cores"] == "user" and p.engine == "native"
+    for user in ({"engine": "torch"}, {"compile": True}, {"placement": "split"}):
+        assert not _build(vnni, user=user)[0].lend_cores, user
     assert not _build(_machine("desktop_rtx4090", RTX_TORCH))[0].lend_cores
+    p, src = _build(vnni, user={"lend_cores": False})
+    assert not p.lend_cores and src["lend_cores"] == "user"
     with pytest.raises(ValueError, match="lend_cores needs placement 'together'"):
         _build(vnni, user={"placement": "split", "lend_cores": True})
     with pytest.raises(ValueError, match="lend_cores needs engine 'native'"):

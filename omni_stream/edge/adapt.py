@@ -345,10 +345,12 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     out.update(threads)
     out["cpu_sets"] = derive_cpu_sets(hw, {**threads, **inputs.get("threads_user", {})},
                                       placement)
-    # Lending the codec's core to the talker's runtime is opt-in (--lend-cores): measured on a
-    # 2-core EPYC (benchmarks/tts/results/core_lending.json) it gave 1 stream RTF 0.81 / 0.87
-    # against 0.88 pinned, within this machine's noise, and 2 streams 1.42 / 1.47 against 1.24.
-    out["lend_cores"] = False
+    # The language models are bound by one core's memory bandwidth, Code2Wav by compute: the
+    # codec's cores run the talker runtime's extra threads whenever Code2Wav is idle. Measured
+    # on a 2-core EPYC, alternating runs (benchmarks/tts/results/core_lending.json).
+    out["lend_cores"] = lend_cores_blocker(
+        inputs.get("engine_user") or out["engine"], placement,
+        inputs.get("cpu_sets_user") or out["cpu_sets"]) is None
     out.update(derive_memory(
         hw, device=inputs.get("device_user") or device,
         weight_path=inputs.get("weight_path_user") or out["weight_path"],

@@ -11,8 +11,12 @@
 #include <thread>
 #include <vector>
 #if defined(__linux__)
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -48,6 +52,26 @@ struct CoreLease {
   std::atomic<int32_t> busy;  // borrower: 1 while a job runs on the lent workers
 };
 static_assert(sizeof(CoreLease) == 8, "the lease is two int32 words in shared memory");
+
+// Block while *word == value (at most timeout_us); shared between processes (the lease lives in
+// shared memory). Elsewhere than Linux: a plain sleep.
+inline void futex_wait(std::atomic<int32_t>* word, int32_t value, int64_t timeout_us) {
+#if defined(__linux__)
+  struct timespec ts = {time_t(timeout_us / 1000000), long(timeout_us % 1000000) * 1000};
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAIT, value, &ts, nullptr, 0);
+#else
+  (void)word;
+  (void)value;
+  std::this_thread::sleep_for(std::chrono::microseconds(timeout_us));
+#endif
+}
+inline void futex_wake_all(std::atomic<int32_t>* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
 
 inline void pin_thread(int cpu) {
 #if defined(__linux__)
@@ -131,7 +155,10 @@ class Pool {
       int spins = 0;
       uint64_t g;
       while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-        if (++spins < 200000 && !yielded(id)) {
+        if (yielded(id)) {  // the owner computes on this core: sleep until it lets go
+          futex_wait(&lease_->want, 1, 20000);
+          spins = 0;
+        } else if (++spins < 200000) {
           OC_PAUSE();
         } else {
           std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -167,7 +194,10 @@ inline int lease_acquire(CoreLease* lease, int64_t timeout_us) {
   }
   return 1;
 }
-inline void lease_release(CoreLease* lease) { lease->want.store(0, std::memory_order_seq_cst); }
+inline void lease_release(CoreLease* lease) {
+  lease->want.store(0, std::memory_order_seq_cst);
+  futex_wake_all(&lease->want);  // the borrower's lent workers wait on it
+}
 
 inline void split(int64_t total, int parts, int t, int64_t* lo, int64_t* hi) {
   int64_t base = total / parts, rem = total % parts;
