@@ -197,13 +197,22 @@ def test_class_files_are_complete_and_valid(tmp_path):
 def test_format_profile_table_has_every_field_and_source():
     p, src = _build(_machine("phone_biglittle"), user={"first_chunk": 2})
     text = format_profile(p, src)
-    lines = text.splitlines()
+    lines = [line for line in text.splitlines() if not line.startswith("note: ")]
     assert lines[0].split() == ["field", "value", "source"] and len(lines) == 2 + len(FIELDS)
     row = next(line for line in lines if line.startswith("first_chunk"))
     assert row.split() == ["first_chunk", "2", "user"]
     assert "talker=4,5" in text
     assert DeployProfile(**profile_to_dict(p)) == p
     json.dumps(profile_to_dict(p))
+
+
+def test_profile_notes_say_what_bf16_decoding_and_int4_cost():
+    """A CPU profile decoding in bf16 says how far Code2Wav's audio is from fp32, int4 says what
+    it costs the talker; exact settings carry no note."""
+    bf16 = format_profile(DeployProfile(dtype="bfloat16", weight_path="int4"), {})
+    assert "Code2Wav decodes in bf16" in bf16 and "weight_path int4" in bf16
+    assert "code2wav_precision.json" in bf16 and "--dtype fp32" in bf16
+    assert "note:" not in format_profile(DeployProfile(), {})
 
 
 def test_profile_validation():

@@ -428,13 +428,22 @@ def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
 
 def profile_notes(profile: DeployProfile) -> list[str]:
     """What a choice costs, where the profile trades fidelity for speed."""
+    notes = []
+    if profile.dtype == "bfloat16" and profile.device == "cpu":
+        notes.append("Code2Wav decodes in bf16: its audio is ~28 dB from the fp32 decode of the "
+                     "same codes, and any single part of it in bf16 already falls below 45 dB, so "
+                     "no mixed-precision split does better (benchmarks/tts/results/"
+                     "code2wav_precision.json); an fp32 decode costs ~82-86 ms per frame on one "
+                     "core of the 2-core build machine, over the 80 ms budget. --dtype fp32 for "
+                     "an exact decode at lower speed.")
     if profile.weight_path == "int4":
-        return ["weight_path int4 is the fastest path here, and the least faithful: its talker "
-                "logits are ~8-10 dB from fp32 against ~27-29 dB for int8 (teacher-forced, random "
-                "0.6B weights: benchmarks/tts/results/cpu_engine_bench.md); int8 is not real time "
-                "on a CPU this small. --weight-path int8 for fidelity at lower speed, "
-                "--fidelity-first for exact weights."]
-    return []
+        notes.append("weight_path int4 is the fastest path here, and the least faithful: its "
+                     "talker logits are ~8-10 dB from fp32 against ~27-29 dB for int8 "
+                     "(teacher-forced, random 0.6B weights: benchmarks/tts/results/"
+                     "cpu_engine_bench.md); int8 is not real time on a CPU this small. "
+                     "--weight-path int8 for fidelity at lower speed, --fidelity-first for exact "
+                     "weights.")
+    return notes
 
 
 __all__ = [
