@@ -107,7 +107,7 @@ class Pool {
   int size() const { return n_; }
   // threads taking part in the job being run (valid inside run()'s callable)
   int active() const { return active_; }
-  void set_lease(CoreLease* lease) { lease_ = lease; }
+  void set_lease(CoreLease* lease) { lease_.store(lease, std::memory_order_release); }
   int lent() const { return lent_; }
   uint64_t jobs_lent() const { return jobs_lent_; }
   uint64_t jobs_own() const { return jobs_own_; }
@@ -116,13 +116,14 @@ class Pool {
   void run(F&& f) {
     int active = n_ - lent_;
     bool lend = false;
-    if (lent_ && lease_) {
-      lease_->busy.store(1, std::memory_order_seq_cst);
-      if (lease_->want.load(std::memory_order_seq_cst) == 0) {
+    CoreLease* lease = lease_.load(std::memory_order_acquire);
+    if (lent_ && lease) {
+      lease->busy.store(1, std::memory_order_seq_cst);
+      if (lease->want.load(std::memory_order_seq_cst) == 0) {
         active = n_;
         lend = true;
       } else {
-        lease_->busy.store(0, std::memory_order_release);
+        lease->busy.store(0, std::memory_order_release);
       }
     } else if (lent_) {
       active = n_;
@@ -142,12 +143,14 @@ class Pool {
     gen_.store(((g >> 8) + 1) << 8 | uint64_t(active), std::memory_order_release);
     f(0);
     while (pending_.load(std::memory_order_acquire) != 0) OC_PAUSE();
-    if (lend) lease_->busy.store(0, std::memory_order_release);
+    if (lend) lease->busy.store(0, std::memory_order_release);
   }
 
  private:
-  bool yielded(int id) const {  // a lent worker whose core the owner wants back
-    return id >= n_ - lent_ && lease_ && lease_->want.load(std::memory_order_relaxed);
+  CoreLease* yielded(int id) const {  // a lent worker whose core the owner wants back
+    if (id < n_ - lent_) return nullptr;
+    CoreLease* lease = lease_.load(std::memory_order_acquire);
+    return lease && lease->want.load(std::memory_order_relaxed) ? lease : nullptr;
   }
   void loop(int id) {
     uint64_t seen = 0;  // the generation at construction (a job may be posted before we run)
@@ -155,8 +158,8 @@ class Pool {
       int spins = 0;
       uint64_t g;
       while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-        if (yielded(id)) {  // the owner computes on this core: sleep until it lets go
-          futex_wait(&lease_->want, 1, 20000);
+        if (CoreLease* lease = yielded(id)) {  // the owner computes here: sleep until it lets go
+          futex_wait(&lease->want, 1, 20000);
           spins = 0;
         } else if (++spins < 200000) {
           OC_PAUSE();
@@ -173,7 +176,7 @@ class Pool {
   }
   int n_, lent_;
   int active_ = 1;
-  CoreLease* lease_ = nullptr;
+  std::atomic<CoreLease*> lease_{nullptr};
   uint64_t jobs_lent_ = 0, jobs_own_ = 0;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> gen_{0};
