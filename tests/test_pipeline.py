@@ -50,6 +50,15 @@ def _close_pcm(a: bytes, b: bytes) -> bool:
     return len(x) == len(y) and (len(x) == 0 or int(np.abs(x.astype(int) - y.astype(int)).max()) <= 1)
 
 
+async def _seeded_pcm(session, url, n: int, seed: int, frames: int) -> list[bytes]:
+    """n different texts at once, request i seeded seed + i: their pcm bodies (all must be 200)."""
+    results = await asyncio.gather(*[
+        _speech(session, url, input=f"{TEXT} {i}", response_format="pcm", seed=seed + i,
+                max_new_tokens=frames) for i in range(n)])
+    assert all(r[0] == 200 for r in results), [r[0] for r in results]
+    return [r[2] for r in results]
+
+
 async def _speech(session, url, **body):
     body.setdefault("model", "qwen3-tts")
     body.setdefault("voice", "ryan")
@@ -207,11 +216,7 @@ def test_split_placement_gives_identical_audio(tiny_ckpt):
         for placement in ("split", "together"):
             backend = PipelineBackend(_settings(tiny_ckpt, placement=placement))
             async with running_server(backend) as url, aiohttp.ClientSession() as s:
-                results = await asyncio.gather(*[
-                    _speech(s, url, input=f"{TEXT} {i}", response_format="pcm", seed=40 + i,
-                            max_new_tokens=12) for i in range(2)])
-                assert all(r[0] == 200 for r in results)
-                out[placement] = [r[2] for r in results]
+                out[placement] = await _seeded_pcm(s, url, 2, seed=40, frames=12)
                 if placement == "split":
                     assert backend.sup.pipe.cp is not None and backend.sup.pipe.cp.is_alive()
         assert all(_close_pcm(a, b) for a, b in zip(out["split"], out["together"]))
@@ -377,11 +382,7 @@ def test_lent_codec_cores_serve_the_same_audio(tiny_ckpt):
             backend = PipelineBackend(_settings(tiny_ckpt, engine="native", cpu_sets=sets,
                                                 lend_cores=lend))
             async with running_server(backend) as url, aiohttp.ClientSession() as s:
-                results = await asyncio.gather(*[
-                    _speech(s, url, input=f"{TEXT} {i}", response_format="pcm", seed=60 + i,
-                            max_new_tokens=16) for i in range(3)])
-                assert all(r[0] == 200 for r in results)
-                out[lend] = [r[2] for r in results]
+                out[lend] = await _seeded_pcm(s, url, 3, seed=60, frames=16)
                 if lend:
                     threads = os.listdir(f"/proc/{backend.sup.pipe.talker.pid}/task")
                     affinities = {frozenset(os.sched_getaffinity(int(t))) for t in threads}

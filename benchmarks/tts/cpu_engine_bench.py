@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tts.frame_bench import median_ms  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 PATHS = {  # name: (engine, weight path, dtype)
@@ -39,15 +41,6 @@ PATHS = {  # name: (engine, weight path, dtype)
     "torch-int4": ("torch", "int4", "bf16"), "native-q4": ("native", "int4", "bf16"),
     "native-q8": ("native", "int8", "bf16"), "native-f32": ("native", "fp32", "bf16"),
 }
-
-
-def _median_ms(fn, n: int) -> float:
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
 
 
 def _synth(model: str, name: str, threads: int, slots: int):
@@ -83,10 +76,10 @@ def speed_worker(a: argparse.Namespace) -> dict:
                 eng.prefill(slot, p.embeds, p.trailing, SamplingParams(), slot)
             for _ in range(2):
                 eng.step(batch)
-            cp_ms = _median_ms(lambda: eng._predict_residual(batch), a.frames)
+            cp_ms = median_ms(lambda: eng._predict_residual(batch), a.frames)
             res = eng._predict_residual(batch)
             eng.residual_fn = lambda _p, r=res: r  # the talker step alone
-            talker_ms = _median_ms(lambda: eng.step(batch), a.frames)
+            talker_ms = median_ms(lambda: eng.step(batch), a.frames)
         out[f"talker_ms_b{batch}"] = talker_ms
         out[f"cp_frame_ms_b{batch}"] = cp_ms
         out[f"cp_substep_ms_b{batch}"] = cp_ms / 15
@@ -148,7 +141,6 @@ def main() -> int:
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads-one", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     if a.worker:
         a.threads = a.threads_one
         print(json.dumps(speed_worker(a)))

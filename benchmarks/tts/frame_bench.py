@@ -29,7 +29,7 @@ RESULTS = ROOT / "benchmarks" / "tts" / "results"
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 
 
-def _median_ms(fn, n: int) -> float:
+def median_ms(fn, n: int) -> float:
     ts = []
     for _ in range(n):
         t = time.perf_counter()
@@ -45,7 +45,7 @@ def copy_bandwidth_gbs(threads: int, mib: int = 512) -> float:
     a = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     b = torch.empty_like(a)
     b.copy_(a)
-    ms = _median_ms(lambda: b.copy_(a), 7)
+    ms = median_ms(lambda: b.copy_(a), 7)
     return 2 * a.numel() * 4 / (ms / 1e3) / 1e9
 
 
@@ -82,13 +82,13 @@ def worker(args: argparse.Namespace) -> dict:
         eng.prefill(0, p.embeds, p.trailing, SamplingParams(), 0)
         for _ in range(2):
             eng.step(1)
-        step_ms = _median_ms(lambda: eng.step(1), args.frames)
-        cp_ms = _median_ms(lambda: eng._predict_residual(1), args.frames)
+        step_ms = median_ms(lambda: eng.step(1), args.frames)
+        cp_ms = median_ms(lambda: eng._predict_residual(1), args.frames)
         stream = Code2WavStream(model.code2wav, max_slots=1)
         codes = torch.randint(0, 2048, (1, g, 1))
         for _ in range(2):
             stream.decode([0], codes)
-        c2w_ms = _median_ms(lambda: stream.decode([0], codes), args.frames)
+        c2w_ms = median_ms(lambda: stream.decode([0], codes), args.frames)
     bw = copy_bandwidth_gbs(args.threads)
     return dict(dtype=args.dtype, threads=args.threads, talker_ms=step_ms - cp_ms, cp_ms=cp_ms,
                 frame_ms=step_ms, code2wav_stream_ms=c2w_ms, total_ms=step_ms + c2w_ms,
