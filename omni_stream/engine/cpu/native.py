@@ -15,6 +15,7 @@ product quantizes its input rows to int8 (per row); see the C file for the layou
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as C
 from dataclasses import dataclass, field
 
@@ -178,20 +179,13 @@ class CoreLease:
     def busy(self) -> bool:
         return bool(self._words[1])
 
+    @contextlib.contextmanager
     def held(self):
-        return _Held(self)
-
-
-class _Held:
-    def __init__(self, lease: CoreLease) -> None:
-        self.lease = lease
-
-    def __enter__(self) -> CoreLease:
-        self.lease.acquire()
-        return self.lease
-
-    def __exit__(self, *exc) -> None:
-        self.lease.release()
+        self.acquire()
+        try:
+            yield self
+        finally:
+            self.release()
 
 
 # ------------------------------------------------------------------------------ packing

@@ -108,7 +108,6 @@ class Pool {
   // threads taking part in the job being run (valid inside run()'s callable)
   int active() const { return active_; }
   void set_lease(CoreLease* lease) { lease_.store(lease, std::memory_order_release); }
-  int lent() const { return lent_; }
   uint64_t jobs_lent() const { return jobs_lent_; }
   uint64_t jobs_own() const { return jobs_own_; }
 
