@@ -433,9 +433,11 @@ def profile_notes(profile: DeployProfile) -> list[str]:
         notes.append("Code2Wav decodes in bf16: its audio is ~28 dB from the fp32 decode of the "
                      "same codes, and any single part of it in bf16 already falls below 45 dB, so "
                      "no mixed-precision split does better (benchmarks/tts/results/"
-                     "code2wav_precision.json); an fp32 decode costs ~82-86 ms per frame on one "
-                     "core of the 2-core build machine, over the 80 ms budget. --dtype fp32 for "
-                     "an exact decode at lower speed.")
+                     "code2wav_precision.json); an fp32 decode costs ~70 ms per frame on one core "
+                     "of the 2-core build machine against bf16's ~44 (chunk 8: benchmarks/tts/"
+                     "results/code2wav_dtype_bench.json), most of that core's 80 ms, leaving "
+                     "the language models none of it. --dtype fp32 for an exact decode at lower "
+                     "speed.")
     if profile.weight_path == "int4":
         notes.append("weight_path int4 is the fastest path here, and the least faithful: its "
                      "talker logits are ~8-10 dB from fp32 against ~27-29 dB for int8 "
