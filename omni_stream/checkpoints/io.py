@@ -5,7 +5,8 @@
     DIR/model.safetensors            talker.* (+ speaker_encoder.* for Base), or shards + index
     DIR/vocab.json, merges.txt, tokenizer_config.json     Qwen2 BPE text tokenizer
     DIR/preprocessor_config.json     processor stub the reference loader expects
-    DIR/speech_tokenizer/config.json, model.safetensors   codec (encoder.* unused here, decoder.*)
+    DIR/speech_tokenizer/config.json, model.safetensors   codec: decoder.* (Code2Wav) and, for
+                                     Base, encoder.* (reference audio -> ICL codes)
 
 Loading is strict: the key map is the module tree (whose names are the released keys); any
 missing, unexpected or mis-shaped tensor fails with its name. Weights are built on the meta
@@ -18,7 +19,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -31,9 +32,13 @@ from omni_stream.models.code2wav import Code2Wav, random_code2wav_state_dict
 from omni_stream.models.talker import Qwen3TTSWeights
 from omni_stream.models.text_tokenizer import TextTokenizer, write_random_tokenizer
 
+if TYPE_CHECKING:
+    from omni_stream.models.speaker_encoder import SpeakerEncoder
+    from omni_stream.models.speech_encoder import SpeechEncoder
+
 log = logging.getLogger(__name__)
 
-CODEC_UNUSED_PREFIXES = ("encoder.",)  # the codec's audio encoder: carried, not run here
+CODEC_UNUSED_PREFIXES = ("encoder.",)  # the codec's audio encoder: load_speech_encoder, not Code2Wav
 
 
 class CheckpointError(ValueError):
@@ -160,6 +165,62 @@ def load_codec(path: str | Path, dtype: torch.dtype = torch.float32,
     return c2w.eval().to(device)
 
 
+def _require_base(path: Path, cfg: ModelConfig, what: str) -> None:
+    if cfg.variant != "base":
+        raise CheckpointError(f"{path} is a '{cfg.variant}' checkpoint: {what} needs a Base "
+                              f"checkpoint (Qwen3-TTS-12Hz-*-Base, tts_model_type 'base')")
+
+
+def load_speech_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "SpeechEncoder":
+    """Load the speech tokenizer's encoder (``speech_tokenizer/`` ``encoder.*``) of a Base
+    checkpoint, strictly; it turns reference audio into ICL voice-clone codes."""
+    from omni_stream.models.speech_encoder import SpeechEncoder, SpeechEncoderConfig
+
+    path = Path(path)
+    cfg = read_config(path)
+    _require_base(path, cfg, "reference-audio encoding (voice cloning)")
+    codec_dir = path / "speech_tokenizer"
+    try:
+        enc_cfg = SpeechEncoderConfig.from_codec_dict(_read_json(codec_dir / "config.json"))
+    except ConfigError as e:
+        raise CheckpointError(f"{codec_dir}: {e}") from e
+    tensors = _read_tensors(_weight_files(codec_dir), lambda k: k.startswith("encoder."))
+    if not tensors:
+        raise CheckpointError(
+            f"{codec_dir}/model.safetensors has no encoder.* tensors: voice cloning needs the "
+            f"speech tokenizer's encoder; use the complete released speech_tokenizer folder of a "
+            f"Base model (or write_random_checkpoint(..., variant='base'))")
+    with torch.device("meta"):
+        enc = SpeechEncoder(enc_cfg)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    try:
+        enc.load_weights(tensors, prefix="encoder.", assign=True)
+    except ValueError as e:
+        raise CheckpointError(f"{codec_dir}/model.safetensors: {e}") from e
+    return enc.eval().to(device)
+
+
+def load_speaker_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str = "cpu") -> "SpeakerEncoder":
+    """Load only the ``speaker_encoder.*`` tensors of a Base checkpoint, strictly."""
+    from omni_stream.models.speaker_encoder import SpeakerEncoder
+
+    path = Path(path)
+    cfg = read_config(path)
+    _require_base(path, cfg, "the x-vector speaker encoder")
+    assert cfg.speaker_encoder is not None  # ModelConfig guarantees it for 'base'
+    tensors = _read_tensors(_weight_files(path), lambda k: k.startswith("speaker_encoder."))
+    with torch.device("meta"):
+        spk = SpeakerEncoder(cfg.speaker_encoder)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    try:
+        spk.load_weights(tensors, prefix="speaker_encoder.", assign=True)
+    except ValueError as e:
+        raise CheckpointError(f"{path}/model.safetensors: {e}") from e
+    return spk.eval().to(device)
+
+
 # ---------------------------------------------------------------------------- random writer
 def _random_main_state(module: nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -196,6 +257,12 @@ def write_random_checkpoint(out: str | Path, preset: str, variant: str, seed: in
     del state
     codec_state = {f"decoder.{k}": v.to(dtype).contiguous()
                    for k, v in random_code2wav_state_dict(cfg.code2wav, seed + 1).items()}
+    if variant == "base":  # the speech tokenizer's encoder: ICL voice cloning encodes the reference
+        from omni_stream.models.speech_encoder import SpeechEncoderConfig
+        from omni_stream.models.speech_encoder import random_state_dict as enc_random
+        enc_cfg = SpeechEncoderConfig.from_codec_dict(codec_cfg)
+        codec_state.update({f"encoder.{k}": v.to(dtype).contiguous()
+                            for k, v in enc_random(enc_cfg, seed + 3).items()})
     save_file(codec_state, str(out / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(main_cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(presets.GENERATION_CONFIG, indent=2))

@@ -39,7 +39,11 @@ _SIZES: dict[str, dict[str, Any]] = {
                  codec=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                             latent_dim=32, codebook_dim=16, codebook_size=2048,
-                            decoder_dim=64)),
+                            decoder_dim=64),
+                 encoder=dict(num_filters=4, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                              head_dim=16, codebook_dim=16, vector_quantization_hidden_dimension=16,
+                              upsample_groups=32, sliding_window=8)),
     # between tiny and 0.6B: real-time on a 2-core CPU with prefills that cost whole frames,
     # which is what the scheduling load tests need
     "small": dict(size="0b6", hidden=512, ffn=1536, layers=6, heads=8, kv=4, head_dim=64,
@@ -48,7 +52,12 @@ _SIZES: dict[str, dict[str, Any]] = {
                   codec=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                              latent_dim=64, codebook_dim=32, codebook_size=2048,
-                             decoder_dim=128)),
+                             decoder_dim=128),
+                  encoder=dict(num_filters=8, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               head_dim=16, codebook_dim=32,
+                               vector_quantization_hidden_dimension=32, upsample_groups=64,
+                               sliding_window=16)),
     "0.6b": dict(size="0b6", hidden=1024, ffn=3072, layers=28, heads=16, kv=8, head_dim=128,
                  text_hidden=2048, cp_hidden=1024, cp_ffn=3072, cp_layers=5, cp_heads=16,
                  cp_kv=8, cp_head_dim=128, spk_dim=1024, codec={}),
@@ -67,8 +76,10 @@ _CODEC_RELEASED = dict(
     upsampling_ratios=[2, 2], vector_quantization_hidden_dimension=512,
 )
 
-# A small Mimi-style encoder config: omni-stream does not run the encoder, but the released
-# speech tokenizer carries one and the official loader builds it from this block.
+# The released Mimi-style encoder config (run by omni_stream.models.speech_encoder for ICL voice
+# cloning; the official loader builds Qwen3TTSTokenizerV2Encoder from this block). tiny/small
+# shrink widths and depths (their ``encoder`` overrides; the sliding window is small there so a
+# parity test would notice if it were applied).
 _ENCODER_CONFIG = dict(
     audio_channels=1, codebook_dim=256, codebook_size=2048, compress=2, dilation_growth_rate=2,
     frame_rate=12.5, head_dim=64, hidden_act="gelu", hidden_size=512, intermediate_size=2048,
@@ -147,6 +158,15 @@ def model_config_dict(preset: str, variant: str, *, talker_layers: int | None = 
     return cfg
 
 
+def encoder_config_dict(preset: str) -> dict[str, Any]:
+    """The ``encoder_config`` block of ``speech_tokenizer/config.json`` of this preset."""
+    if preset not in _SIZES:
+        raise ConfigError(f"unknown preset '{preset}': expected one of {', '.join(PRESETS)}")
+    enc = copy.deepcopy(_ENCODER_CONFIG)
+    enc.update(_SIZES[preset].get("encoder", {}))
+    return enc
+
+
 def codec_config_dict(preset: str) -> dict[str, Any]:
     """``speech_tokenizer/config.json`` of this preset."""
     if preset not in _SIZES:
@@ -159,7 +179,7 @@ def codec_config_dict(preset: str) -> dict[str, Any]:
         encoder_valid_num_quantizers=16,
         input_sample_rate=24000, output_sample_rate=24000,
         decode_upsample_rate=1920, encode_downsample_rate=1920,
-        encoder_config=copy.deepcopy(_ENCODER_CONFIG),
+        encoder_config=encoder_config_dict(preset),
         decoder_config=dec,
         transformers_version="4.57.3",
     )

@@ -20,6 +20,16 @@ Subcommands (all on CPU, float32):
   tokenize    --model DIR --text T [--text T2] | --texts TEXTS.json
               JSON: token ids as the official wrapper produces them (raw, assistant turn,
               instruct turn) and the pre-tokenizer it ends up using.
+  voice-prompt --model BASE_DIR --requests REQ.json --out OUT.npz [--threads N]
+              create_voice_clone_prompt per request {"id", "ref_audio": wav path, "ref_text",
+              "x_vector_only"}: OUT keys {id}.x_vector float32 [C], {id}.ref_codes int64
+              [frames, 16] (ICL mode). Fails unless the loaded encoder / speaker encoder hold
+              exactly the file's tensors.
+  clone       --model BASE_DIR --requests REQ.json --out OUT.npz [--threads N] [--attn eager]
+              Greedy voice-clone generation (requests add "text", "language",
+              "non_streaming_mode", "max_new_tokens"): {id}.codes int64 [frames, 16] (generated
+              codes only, without the reference codes), {id}.x_vector, {id}.ref_codes,
+              {id}.input_ids, {id}.ref_ids.
 
 A request (REQ.json is a list of them):
   {"id": "a", "text": "Hello.", "speaker": "ryan" | null, "language": "english" | "auto" | null,
@@ -645,6 +655,136 @@ def cmd_tokenize(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# voice cloning (Base): voice-prompt, clone
+
+
+def _stored_tensors(path: Path, prefix: str) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as sf:
+        for k in sf.keys():
+            if k.startswith(prefix):
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def check_clone_weights(w, root: Path) -> dict:
+    """The loaded official speech-tokenizer encoder and speaker encoder must hold exactly the
+    file's tensors (not HF's init: its all-zero codebooks would make every code 0)."""
+    report = {}
+    parts = (("speech_tokenizer encoder", w.model.speech_tokenizer.model, _speech_dir(root), "encoder."),
+             ("speaker_encoder", w.model, root, "speaker_encoder."))
+    for label, module, folder, prefix in parts:
+        stored = _stored_tensors(folder, prefix)
+        state = {k: v for k, v in module.state_dict().items() if k.startswith(prefix)}
+        if not stored or set(stored) != set(state):
+            raise SystemExit(f"{label}: stored keys differ from the official module's "
+                             f"(missing {sorted(set(state) - set(stored))[:4]}, "
+                             f"unexpected {sorted(set(stored) - set(state))[:4]})")
+        diff = max(float((state[k].float() - stored[k].float()).abs().max()) for k in stored)
+        if diff != 0.0:
+            raise SystemExit(f"{label}: the official loader did not keep the file's weights "
+                             f"(max abs diff {diff})")
+        report[label] = {"tensors": len(stored), "max_abs_diff_vs_file": diff}
+    log(f"clone weights check: {report}")
+    return report
+
+
+def _prompt_item(w, req: dict):
+    items = w.create_voice_clone_prompt(ref_audio=str(req["ref_audio"]),
+                                        ref_text=req.get("ref_text"),
+                                        x_vector_only_mode=bool(req.get("x_vector_only", False)))
+    return items[0]
+
+
+def _store_prompt(out: dict, rid: str, item) -> None:
+    out[f"{rid}.x_vector"] = item.ref_spk_embedding.detach().float().cpu().numpy().reshape(-1)
+    if item.ref_code is not None:
+        out[f"{rid}.ref_codes"] = item.ref_code.detach().cpu().numpy().astype(np.int64)
+
+
+def _load_requests(path: str) -> list:
+    requests = json.loads(Path(path).read_text())
+    if isinstance(requests, dict):
+        requests = requests.get("requests", [requests])
+    return requests
+
+
+def cmd_voice_prompt(args) -> int:
+    """x-vector (and ICL ref codes) per request via the official create_voice_clone_prompt,
+    one clip per call (as a single-request server would)."""
+    torch.set_num_threads(args.threads)
+    w = load_wrapper(args.model, None, "float32")
+    if w.model.tts_model_type != "base":
+        raise SystemExit(f"{args.model} is a {w.model.tts_model_type} checkpoint, not base")
+    meta = {"weights": check_clone_weights(w, Path(args.model)), "requests": {}}
+    out: dict[str, np.ndarray] = {}
+    for req in _load_requests(args.requests):
+        rid = str(req["id"])
+        t0 = time.perf_counter()
+        item = _prompt_item(w, req)
+        dt = time.perf_counter() - t0
+        _store_prompt(out, rid, item)
+        meta["requests"][rid] = {"seconds": dt, "icl": bool(item.icl_mode)}
+        log(f"{rid}: prompt in {dt:.2f} s"
+            + (f", {item.ref_code.shape[0]} ref frames" if item.ref_code is not None else ""))
+    out["meta"] = np.array(json.dumps(meta, default=str))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out, **out)
+    log(f"wrote {args.out}")
+    return 0
+
+
+def cmd_clone(args) -> int:
+    """Greedy voice-clone generation as ``generate_voice_clone`` runs it (prompt items ->
+    ``model.generate`` with ref_ids and the voice_clone_prompt dict); the generated talker codes
+    are stored WITHOUT the reference codes the wrapper prepends for decoding."""
+    torch.set_num_threads(args.threads)
+    w = load_wrapper(args.model, args.attn, "float32")
+    m = w.model
+    if m.tts_model_type != "base":
+        raise SystemExit(f"{args.model} is a {m.tts_model_type} checkpoint, not base")
+    meta = {"weights": check_clone_weights(w, Path(args.model)), "requests": {},
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    out: dict[str, np.ndarray] = {}
+    for req in _load_requests(args.requests):
+        rid = str(req["id"])
+        item = _prompt_item(w, req)
+        _store_prompt(out, rid, item)
+        language = req.get("language") or "Auto"
+        w._validate_languages([language])
+        input_ids = w._tokenize_texts([w._build_assistant_text(req["text"])])
+        rt = item.ref_text
+        ref_ids = [None if rt is None or rt == "" else
+                   w._tokenize_texts([w._build_ref_text(rt)])[0]]
+        gen_kwargs = w._merge_generate_kwargs(
+            do_sample=False, subtalker_dosample=False,
+            max_new_tokens=int(req.get("max_new_tokens", 2048)))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            codes_list, _ = m.generate(
+                input_ids=input_ids, ref_ids=ref_ids,
+                voice_clone_prompt=w._prompt_items_to_voice_clone_prompt([item]),
+                languages=[language], non_streaming_mode=bool(req.get("non_streaming_mode", False)),
+                **gen_kwargs)
+        dt = time.perf_counter() - t0
+        codes = codes_list[0].detach().cpu().numpy().astype(np.int64)
+        out[f"{rid}.codes"] = codes
+        out[f"{rid}.input_ids"] = _ids(input_ids[0])
+        if ref_ids[0] is not None:
+            out[f"{rid}.ref_ids"] = _ids(ref_ids[0])
+        meta["requests"][rid] = {"frames": int(codes.shape[0]), "generate_s": dt,
+                                 "gen_kwargs": gen_kwargs, "icl": bool(item.icl_mode)}
+        log(f"{rid}: {codes.shape[0]} frames in {dt:.2f} s")
+    out["meta"] = np.array(json.dumps(meta, default=str))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out, **out)
+    log(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -706,6 +846,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--texts", default=None, help="JSON list of strings")
     t.add_argument("--text", action="append", default=[], help="a text (repeatable)")
     t.set_defaults(fn=cmd_tokenize)
+
+    v = sub.add_parser("voice-prompt")
+    v.add_argument("--model", required=True, help="a Base checkpoint")
+    v.add_argument("--requests", required=True,
+                   help='JSON list of {"id", "ref_audio": WAV path, "ref_text", "x_vector_only"}')
+    v.add_argument("--out", required=True)
+    v.add_argument("--threads", type=int, default=1)
+    v.set_defaults(fn=cmd_voice_prompt)
+
+    c = sub.add_parser("clone")
+    c.add_argument("--model", required=True, help="a Base checkpoint")
+    c.add_argument("--requests", required=True,
+                   help="voice-prompt requests plus text, language, non_streaming_mode, "
+                        "max_new_tokens")
+    c.add_argument("--out", required=True)
+    c.add_argument("--attn", default="eager")
+    c.add_argument("--threads", type=int, default=1)
+    c.set_defaults(fn=cmd_clone)
 
     args = ap.parse_args(argv)
     return args.fn(args)
