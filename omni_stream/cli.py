@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_stream.export.cli import add_export_parsers
 
     add_export_parsers(sub)
+    from omni_stream.voices.cli import add_voices_parser
+
+    add_voices_parser(sub)
     return p
 
 
