@@ -68,15 +68,21 @@ class Synthesizer:
         return arr.astype(np.int64), prompt.length, stopped
 
     @torch.inference_mode()
-    def decode_audio(self, codes: np.ndarray) -> np.ndarray:
+    def decode_audio(self, codes: np.ndarray, prime: np.ndarray | None = None) -> np.ndarray:
+        """Waveform of ``codes`` [F, 16]; ``prime`` (an ICL voice's last reference frames) is
+        decoded before them as left context and its audio cut, as the streaming decoder does."""
         if len(codes) == 0:
             return np.zeros(0, dtype=np.float32)
+        skip = 0 if prime is None else len(prime)
+        if skip:
+            codes = np.concatenate([prime, codes])
         c = torch.as_tensor(codes, dtype=torch.long).T.unsqueeze(0)  # [1, 16, F]
         wav = self.model.code2wav(c.to(next(self.model.code2wav.parameters()).device))
-        return wav.reshape(-1).float().cpu().numpy()
+        return wav.reshape(-1)[skip * self.model.code2wav.samples_per_frame:].float().cpu().numpy()
 
     def synthesize(self, req: PromptRequest, params: SamplingParams, seed: int = 0,
                    max_frames: int = 2047, with_audio: bool = True) -> SynthesisResult:
         codes, plen, eos = self.generate_codes(req, params, seed, max_frames)
-        audio = self.decode_audio(codes) if with_audio else None
+        prime = req.clone.prime_codes() if req.clone is not None else None
+        audio = self.decode_audio(codes, prime) if with_audio else None
         return SynthesisResult(codes, audio, plen, eos)

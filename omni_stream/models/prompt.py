@@ -6,6 +6,14 @@ Layout (CustomVoice, explicit language, text given all at once):
   codec:          (none)            | think think_bos lang think_eos spk pad | pad ... pad | bos
 Every position is the sum of its text-track and codec-track embeddings. In text-streaming mode
 only t1 (+ codec bos) is in the prompt; t2..tn, tts_eos are added to the first decode steps.
+
+Cloned voices (Base, ``omni_stream.voices.clone.VoiceClone``): the x-vector takes the speaker
+slot of the codec prefix. In ICL mode the reference follows the head instead of the first text
+token: text track ``r1 .. rm t1 .. tn tts_eos`` (the reference transcript, then the text),
+codec track ``bos f1 .. fk`` (fi = the sum of the 16 codebook embeddings of reference frame i).
+Text-streaming mode adds the two tracks position by position (the longer text runs on into the
+decode steps, a shorter one is padded with tts_pad); otherwise the text track goes first over
+codec pad, then the codec track over tts_pad.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 from omni_stream.config import ModelConfig
 from omni_stream.models.talker import Talker
 from omni_stream.models.text_tokenizer import TextTokenizer
+from omni_stream.voices.clone import VoiceClone
 
 
 class PromptError(ValueError):
@@ -31,6 +40,13 @@ class PromptRequest:
     instructions: str | None = None
     speaker_embedding: torch.Tensor | None = None  # Base: x-vector [C]
     stream_text: bool = False  # feed text tokens one per decode step
+    clone: VoiceClone | None = None  # Base: a cloned voice (x-vector, and ICL reference)
+
+    @property
+    def x_vector(self) -> torch.Tensor | None:
+        if self.clone is not None:
+            return torch.from_numpy(self.clone.x_vector)
+        return self.speaker_embedding
 
 
 @dataclass
@@ -51,6 +67,11 @@ def assistant_text(text: str) -> str:
 
 def instruct_text(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+def ref_text(text: str) -> str:
+    """The ICL reference transcript as the official code tokenizes it (its ids [3:-2] are used)."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
 
 
 class PromptBuilder:
@@ -82,12 +103,28 @@ class PromptBuilder:
                        else "clone a voice from a reference speaker embedding"))
             raise PromptError(f"unknown voice '{req.speaker}': this model's voices are "
                               f"{', '.join(self.speakers)}")
-        if req.speaker_embedding is not None:
+        xv = req.x_vector
+        if xv is not None:
             if v != "base":
-                raise PromptError(f"a {v} model cannot clone voices: use a base checkpoint")
-            if req.speaker_embedding.numel() != self.cfg.talker.lm.hidden_size:
-                raise PromptError(f"speaker embedding has {req.speaker_embedding.numel()} values, "
+                raise PromptError(f"a {v} model cannot clone voices: serve a Base checkpoint "
+                                  "(Qwen3-TTS-12Hz-*-Base)")
+            if req.speaker is not None:
+                raise PromptError("a request names either a built-in voice or a cloned one, "
+                                  "not both")
+            if xv.numel() != self.cfg.talker.lm.hidden_size:
+                raise PromptError(f"speaker embedding has {xv.numel()} values, "
                                   f"the model expects {self.cfg.talker.lm.hidden_size}")
+            if not bool(torch.isfinite(xv).all()):
+                raise PromptError("the speaker embedding holds NaN or inf values")
+        c = req.clone
+        if c is not None and c.icl:
+            g, size = self.cfg.talker.num_code_groups, self.cfg.code2wav.codebook_size
+            codes = c.ref_codes
+            if codes.shape[1] != g:
+                raise PromptError(f"reference codes have {codes.shape[1]} codebooks, the model "
+                                  f"uses {g}")
+            if int(codes.min()) < 0 or int(codes.max()) >= size:
+                raise PromptError(f"reference codes must lie in [0, {size})")
 
     @torch.no_grad()
     def build(self, req: PromptRequest) -> Prompt:
@@ -121,8 +158,8 @@ class PromptBuilder:
         codec_parts = [cemb(prefix)]
         if speaker is not None:
             codec_parts.append(cemb([self.cfg.talker.speakers[speaker]]))
-        elif req.speaker_embedding is not None:
-            codec_parts.append(req.speaker_embedding.to(dev, t.model.codec_embedding.weight.dtype).view(1, -1))
+        elif req.x_vector is not None:
+            codec_parts.append(req.x_vector.to(dev, t.model.codec_embedding.weight.dtype).view(1, -1))
         codec_parts.append(cemb([sp.codec_pad, sp.codec_bos]))
         codec = torch.cat(codec_parts)  # [n, C]
         n = codec.shape[0]
@@ -134,7 +171,10 @@ class PromptBuilder:
             instruct_ids = self.tok.encode(instruct_text(req.instructions))
             parts.append(temb(instruct_ids))
         parts += [role, head]
-        if req.stream_text:
+        if req.clone is not None and req.clone.icl:
+            icl, trailing = self._icl(req, text_ids, temb, cemb, tts_eos, tts_pad)
+            parts.append(icl)
+        elif req.stream_text:
             parts.append(temb(text_ids[:1]) + codec[-1:])
             trailing = torch.cat((temb(text_ids[1:]), tts_eos)) if len(text_ids) > 1 else tts_eos
         else:
@@ -143,3 +183,25 @@ class PromptBuilder:
             trailing = tts_pad[:0]
         return Prompt(embeds=torch.cat(parts), trailing=trailing, text_ids=text_ids,
                       instruct_ids=instruct_ids)
+
+    def _icl(self, req: PromptRequest, text_ids: list[int], temb, cemb, tts_eos: torch.Tensor,
+             tts_pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ICL block after the head and the trailing text rows (see the module doc)."""
+        clone = req.clone
+        assert clone is not None and clone.ref_codes is not None and clone.ref_text
+        sp = self.cfg.talker.special
+        ref_ids = self.tok.encode(ref_text(clone.ref_text))[3:-2]
+        text = torch.cat((temb(ref_ids + text_ids), tts_eos))  # [Lt, C]
+        dev = text.device
+        codes = torch.as_tensor(clone.ref_codes, dtype=torch.long, device=dev)  # [F, G]
+        t = self.talker
+        tables = [t.model.codec_embedding, *t.code_predictor.model.codec_embedding]
+        frames = torch.stack([tab(codes[:, i]) for i, tab in enumerate(tables)], dim=1).sum(1)
+        codec = torch.cat((cemb([sp.codec_bos]), frames))  # [Lc, C]
+        nt, nc = text.shape[0], codec.shape[0]
+        if not req.stream_text:
+            body = text + cemb([sp.codec_pad]).expand(nt, -1)
+            return torch.cat((body, codec + tts_pad)), tts_pad[:0]
+        if nt > nc:
+            return text[:nc] + codec, text[nc:]
+        return torch.cat((text, tts_pad.expand(nc - nt, -1))) + codec, tts_pad[:0]

@@ -99,8 +99,30 @@ class CodecStage:
             if not self.free:  # cannot happen while codec slots >= talker slots
                 self._error(sid, "codec stage has no free decoder slot")
                 return
+            try:
+                prime = start.prime(self.codebooks)
+                if prime is not None and self._check_frames(prime) is not None:
+                    raise ValueError(f"priming codes: {self._check_frames(prime)}")
+            except ValueError as e:
+                self._error(sid, f"codec stage could not read the stream's start: {e}")
+                return
             slot = self.free.pop(0)
             self.dec.reset(slot)
+            if prime is not None:  # ICL voice: the reference as left context, not played
+                t0 = time.perf_counter()
+                try:
+                    with torch.inference_mode(), \
+                            self.lease.held() if self.lease is not None else _NO_LEASE:
+                        self.dec.decode([slot], torch.from_numpy(prime.T.copy())[None])
+                except Exception as e:  # this stream only
+                    log.exception("stream %d: priming Code2Wav failed", sid)
+                    self.free.append(slot)
+                    self.free.sort()
+                    self.failed_total += 1
+                    self.failed.add(sid)
+                    self._error(sid, f"codec stage could not prime the cloned voice: {e}")
+                    return
+                stepstats.record("codec.prime", time.perf_counter() - t0)
             self.streams[sid] = _Stream(slot, start.chunk, start.codes_only, start.input_tokens,
                                         first_ns=m.enqueue_ns)
             return

@@ -150,16 +150,19 @@ class TalkerStage:
         if not self.sched.free_slots():
             return False
         msg, p = st.request, st.request.prompt
+        clone = p.clone.to_clone() if p.clone is not None else None
         req = PromptRequest(text=p.text, language=p.language or "auto", speaker=p.speaker,
-                            instructions=p.instructions, stream_text=p.stream_text)
+                            instructions=p.instructions, stream_text=p.stream_text, clone=clone)
         prompt = self.builder.build(req)
         if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
             raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "
                              f"the slot's {self.engine.shape.max_seq_len} positions")
         st.prompt = prompt
         self.sched.assign(st, prompt.length)
+        prime = clone.prime_codes() if clone is not None else None
         start = StreamStart(msg.chunk, codes_only=msg.stream_codes,
-                            input_tokens=len(prompt.text_ids))
+                            input_tokens=len(prompt.text_ids),
+                            prime_codes=b"" if prime is None else prime.astype("<i8").tobytes())
         self._event(msg.stream_id, Flags.FIRST, start.to_payload())
         return True
 

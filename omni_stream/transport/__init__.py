@@ -1,7 +1,7 @@
 """Inter-process data plane: shared-memory rings (data), eventfd wake-ups, msgspec control."""
 
-from .messages import (AddStream, CancelStream, ChannelClosed, ControlChannel, ControlMessage,
-                       PromptSpec, Shutdown, StageError, StatsReply, StatsRequest, StreamStart,
+from .messages import (AddStream, CancelStream, ChannelClosed, CloneSpec, ControlChannel,
+                       ControlMessage, PromptSpec, Shutdown, StageError, StatsReply, StatsRequest, StreamStart,
                        decode, encode)
 from .notify import Notifier
 from .record import DTYPES, HEADER_SIZE, FailReason, Flags, Message, MsgKind
@@ -10,7 +10,7 @@ from .shm import (SEGMENT_PREFIX, SegmentRegistry, cleanup_stale, default_regist
                   default_shm_dir, pid_alive)
 
 __all__ = [
-    "AddStream", "CancelStream", "ChannelClosed", "ControlChannel", "ControlMessage", "DTYPES",
+    "AddStream", "CancelStream", "ChannelClosed", "CloneSpec", "ControlChannel", "ControlMessage", "DTYPES",
     "FailReason", "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "PromptSpec", "Ring",
     "RingHandle", "SEGMENT_PREFIX", "SegmentRegistry", "Shutdown", "StageError", "StatsReply",
     "StatsRequest", "StreamStart",

@@ -12,8 +12,9 @@ every field (a wrong type or value is a ``msgspec.ValidationError`` naming it). 
 that rides a ring instead of the pipe, the talker's first event of a stream to the codec stage,
 is :class:`StreamStart`: msgpack bytes as a uint8 payload.
 
-Large per-stream inputs (prompt embeddings, speaker x-vectors) do not belong here: they go as
-ring payloads keyed by stream id; ``PromptSpec`` carries only the text and a few names.
+``PromptSpec`` carries the text, a few names and, for a cloned voice, its :class:`CloneSpec`
+(an x-vector of a few KB and at most a few hundred reference frames: small enough for the pipe,
+sent once per stream). Prompt embeddings are built in the talker stage, never sent.
 """
 
 from __future__ import annotations
@@ -26,11 +27,37 @@ import numpy as np
 
 from omni_stream.config import SamplingParams
 from omni_stream.scheduling.chunking import ChunkPolicy
+from omni_stream.voices.clone import VoiceClone
 
 
 def _check_stream_id(stream_id: int) -> None:
     if stream_id < 0:
         raise ValueError(f"stream_id must be >= 0, got {stream_id}")
+
+
+class CloneSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A cloned voice on the wire: ``x_vector`` float32 and ``ref_codes`` int64 [frames, G]
+    as little-endian bytes (``ref_codes`` empty: x-vector-only mode)."""
+
+    x_vector: bytes
+    ref_codes: bytes = b""
+    codebooks: int = 16
+    ref_text: str | None = None
+
+    @classmethod
+    def of(cls, clone: VoiceClone) -> "CloneSpec":
+        codes = b"" if clone.ref_codes is None else clone.ref_codes.astype("<i8").tobytes()
+        g = 16 if clone.ref_codes is None else int(clone.ref_codes.shape[1])
+        return cls(clone.x_vector.astype("<f4").tobytes(), codes, g, clone.ref_text)
+
+    def to_clone(self) -> VoiceClone:
+        """The VoiceClone again; ValueError if the bytes do not make one."""
+        if len(self.x_vector) % 4 or self.codebooks < 1 or len(self.ref_codes) % (8 * self.codebooks):
+            raise ValueError("a CloneSpec's byte lengths do not match its element types")
+        xv = np.frombuffer(self.x_vector, dtype="<f4")
+        codes = (np.frombuffer(self.ref_codes, dtype="<i8").reshape(-1, self.codebooks)
+                 if self.ref_codes else None)
+        return VoiceClone(xv, codes, self.ref_text)
 
 
 class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +68,7 @@ class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speaker: str | None = None
     instructions: str | None = None
     stream_text: bool = False  # feed the text token by token alongside the codec frames
+    clone: CloneSpec | None = None  # a cloned voice (Base models)
 
 
 class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True,
@@ -70,10 +98,22 @@ class StreamStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk: ChunkPolicy
     codes_only: bool = False
     input_tokens: int = 0
+    # ICL voices: the last reference frames (int64 [n, G] little-endian bytes), decoded into the
+    # stream's Code2Wav state before its first frame and not played (the official decoder
+    # decodes the reference and the speech as one sequence and cuts the reference's audio)
+    prime_codes: bytes = b""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0:
             raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
+
+    def prime(self, codebooks: int) -> np.ndarray | None:
+        """The priming frames as int64 [n, codebooks], or None."""
+        if not self.prime_codes:
+            return None
+        if len(self.prime_codes) % (8 * codebooks):
+            raise ValueError(f"prime_codes is not a whole number of {codebooks}-code frames")
+        return np.frombuffer(self.prime_codes, dtype="<i8").reshape(-1, codebooks).copy()
 
     def to_payload(self) -> np.ndarray:
         """msgpack bytes as a uint8 array (a ring payload)."""
