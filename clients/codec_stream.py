@@ -138,7 +138,10 @@ class _Collect:
                     raise ClientError("binary frame without a codec.frames header: the server "
                                       f"is sending audio, not codec frames; {USE_SERVER}")
                 self.wire_bytes += len(msg.data)
-                self._frames(header, msg.data)
+                if header.get("type") == "codec.prime":
+                    self._prime(header, msg.data)
+                else:
+                    self._frames(header, msg.data)
                 header = None
                 continue
             if msg.type != aiohttp.WSMsgType.TEXT:
@@ -150,7 +153,7 @@ class _Collect:
                 _raise_error_event(ev)
             elif kind == "audio.start":
                 self._start(ev)
-            elif kind == "codec.frames":
+            elif kind in ("codec.frames", "codec.prime"):
                 header = ev
             elif kind == "session.done":
                 return
@@ -166,16 +169,26 @@ class _Collect:
                                                       "codebook_size", "samples_per_frame",
                                                       "codec_sha256") if k in ev})
 
-    def _frames(self, header: dict, data: bytes) -> None:
+    def _codes(self, header: dict, data: bytes) -> np.ndarray:
         q = self.decoder.identity.num_codebooks
         n = int(header.get("frames", -1))
         if header.get("dtype", "int64") != "int64" or len(data) != n * q * 8:
             raise ClientError(f"codec frame message of {len(data)} bytes does not hold {n} "
                               f"int64 frames of {q} codes")
+        return np.frombuffer(data, dtype="<i8").reshape(n, q)
+
+    def _prime(self, header: dict, data: bytes) -> None:
+        """A cloned voice's reference frames: decoded as left context, their audio dropped."""
+        if self.frames:
+            raise ClientError("codec.prime after the first codec frames")
+        self.decoder.decode(self._codes(header, data))
+
+    def _frames(self, header: dict, data: bytes) -> None:
+        codes = self._codes(header, data)
+        n = len(codes)
         if int(header.get("offset", self.frames)) != self.frames:
             raise ClientError(f"codec frames out of order: offset {header.get('offset')} after "
                               f"{self.frames} frames")
-        codes = np.frombuffer(data, dtype="<i8").reshape(n, q)
         pcm = to_s16(self.decoder.decode(codes))
         self.frames += n
         self.pcm.append(pcm)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -98,6 +101,33 @@ def _player():
     return stream
 
 
+_AUDIO_MIME = {".wav": "audio/wav", ".flac": "audio/flac", ".mp3": "audio/mpeg",
+               ".ogg": "audio/ogg", ".oga": "audio/ogg", ".opus": "audio/ogg"}
+
+
+def ref_audio_fields(path: str | None, ref_text: str | None = None,
+                     x_vector_only: bool = False) -> dict[str, Any]:
+    """The request fields of a one-off clone of the clip at ``path`` (a data URL), or {}."""
+    if path is None:
+        if ref_text is not None or x_vector_only:
+            raise ClientError("--ref-text and --x-vector-only go with --ref-audio FILE")
+        return {}
+    if not x_vector_only and not (ref_text or "").strip():
+        raise ClientError("--ref-audio needs --ref-text (the clip's transcript) for ICL "
+                          "cloning, or --x-vector-only")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ClientError(f"cannot read --ref-audio {path}: {e.strerror or e}") from e
+    mime = _AUDIO_MIME.get(Path(path).suffix.lower(), "application/octet-stream")
+    out: dict[str, Any] = {"ref_audio": f"data:{mime};base64,{base64.b64encode(data).decode()}"}
+    if x_vector_only:
+        out["x_vector_only"] = True
+    else:
+        out["ref_text"] = ref_text
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="omni-stream-client", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,11 +151,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="threads of the local decoder (torch / executorch backends)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap on codec frames")
+    ap.add_argument("--ref-audio", default=None, metavar="FILE",
+                    help="clone the voice of this clip (Base models; wav, flac, mp3 or ogg); "
+                    "to reuse a voice, upload it once with `omni-stream voices add`")
+    ap.add_argument("--ref-text", default=None,
+                    help="the transcript of --ref-audio (ICL cloning, the default mode)")
+    ap.add_argument("--x-vector-only", action="store_true",
+                    help="clone from the speaker embedding alone (no --ref-text needed)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
     try:
         extra = {k: v for k, v in (("greedy", a.greedy or None),
                                    ("max_new_tokens", a.max_new_tokens)) if v is not None}
+        extra.update(ref_audio_fields(a.ref_audio, a.ref_text, a.x_vector_only))
         decoder = None
         if a.decoder_backend != "server":
             from clients.decoders import DecoderError, make_decoder

@@ -23,6 +23,7 @@ from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 import numpy as np
 
 from omni_stream.scheduling.admission import TOO_LARGE, Rejected
+from omni_stream.voices.clone import VoiceClone
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
 FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
@@ -47,6 +48,10 @@ class SpeechJob:
     greedy: bool = False
     stream_codes: bool = False  # yield codec frames (chunk.codes) instead of PCM, for client-side decoding
     initial_chunk_frames: int | None = None  # size of the first chunk; None: the backend's schedule
+    # a cloned voice (Base models: an uploaded voice or the request's ref_audio); ``voice`` is
+    # then None and ``voice_label`` names it for logs and session descriptions
+    clone: "VoiceClone | None" = None
+    voice_label: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

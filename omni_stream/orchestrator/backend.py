@@ -24,7 +24,7 @@ from typing import AsyncGenerator
 from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
-from omni_stream.models.prompt import assistant_text, instruct_text
+from omni_stream.models.prompt import assistant_text, instruct_text, ref_text
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
@@ -32,8 +32,8 @@ from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import calibrate
 from omni_stream.scheduling.limits import stream_frame_cap
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, FailReason, Flags,
-                                   Message, MsgKind, PromptSpec, cleanup_stale)
+from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, CloneSpec, FailReason,
+                                   Flags, Message, MsgKind, PromptSpec, cleanup_stale)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class PipelineBackend:
         self.model_name = settings.model_name
         self.sample_rate = self.cfg.code2wav.sample_rate
         self.supports_instructions = self.cfg.supports_instructions
+        self.variant = self.cfg.variant
+        # a Base checkpoint clones voices (server/voices.py loads its encoders from here)
+        self.clone_model_dir = settings.model_path if self.cfg.variant == "base" else None
         self._ids = itertools.count(1)
         self._streams: dict[int, _Stream] = {}
         dtype_bytes = 2 if settings.dtype in ("bfloat16", "float16") else 4
@@ -88,6 +91,9 @@ class PipelineBackend:
         n = 3 + 6 + text + 2  # role, codec prefix (think.., language, speaker, pad), eos, bos
         if job.instructions and self.supports_instructions:
             n += len(self.tokenizer.encode(instruct_text(job.instructions)))
+        c = job.clone
+        if c is not None and c.icl:  # the reference transcript and frames come first
+            n += len(self.tokenizer.encode(ref_text(c.ref_text))) + len(c.ref_codes)
         return n
 
     # ------------------------------------------------------------------ Backend API
@@ -98,6 +104,16 @@ class PipelineBackend:
         return sorted(k for k in self.cfg.talker.languages if "dialect" not in k)
 
     def validate(self, job: SpeechJob) -> None:
+        if job.clone is not None:
+            if self.cfg.variant != "base":
+                raise BackendError(400, "voice_clone_unsupported", f"this {self.cfg.variant} "
+                                   "model cannot clone voices: serve a Base checkpoint",
+                                   param="voice")
+            if job.clone.x_vector.size != self.cfg.talker.lm.hidden_size:
+                raise BackendError(400, "invalid_voice", "the cloned voice was made for another "
+                                   f"model ({job.clone.x_vector.size}-value x-vector, this one "
+                                   f"takes {self.cfg.talker.lm.hidden_size}): upload it again",
+                                   param="voice")
         if job.voice is not None and job.voice.lower() not in self.cfg.talker.speakers:
             raise BackendError(400, "invalid_voice", f"unknown voice '{job.voice}': this model's "
                                f"voices are {', '.join(self.voices()) or '(none)'}", param="voice")
@@ -189,7 +205,11 @@ class PipelineBackend:
             instructions = job.instructions if self.supports_instructions else None
             msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames, chunk=chunk,
                             prompt=PromptSpec(text=job.text, language=job.language,
-                                              speaker=job.voice, instructions=instructions),
+                                              speaker=job.voice, instructions=instructions,
+                                              # the official clone path streams the text
+                                              stream_text=job.clone is not None,
+                                              clone=(CloneSpec.of(job.clone)
+                                                     if job.clone is not None else None)),
                             sampling=SamplingParams.greedy() if job.greedy else SamplingParams(),
                             stream_codes=job.stream_codes)
             with stepstats.phase("server.dispatch"):

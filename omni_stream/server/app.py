@@ -3,7 +3,9 @@
 Routes (all but /health need ``Authorization: Bearer <key>`` when an API key is set):
   POST /v1/audio/speech          OpenAI speech: chunked pcm/wav, SSE, or a whole file
   GET  /v1/audio/speech/stream   WebSocket text-in / speech-out sessions (see ws.py)
-  GET  /v1/audio/voices          the model's voices and the OpenAI alias map
+  GET  /v1/audio/voices          built-in and uploaded voices, and the OpenAI alias map
+  POST /v1/audio/voices          upload a voice to clone (Base models; multipart, see voices.py)
+  DELETE /v1/audio/voices/{name} remove an uploaded voice
   GET  /v1/models[/{model}]      OpenAI model list / retrieve
   GET  /health                   200 {"status": "ok"} when serving, 503 while starting/draining
   GET  /metrics                  Prometheus text
@@ -29,6 +31,7 @@ from omni_stream.server.schema import OPENAI_VOICES, voice_aliases
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.speech import speech
 from omni_stream.server.state import STATE, ServerState
+from omni_stream.server.voices import VoiceService, create_voice, delete_voice
 from omni_stream.server.ws import speech_stream
 
 log = logging.getLogger(__name__)
@@ -109,13 +112,18 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def list_voices(request: web.Request) -> web.Response:
-    backend = request.app[STATE].backend
+    st = request.app[STATE]
+    backend = st.backend
     voices = backend.voices()
     aliases = voice_aliases(voices)
-    return _json({"object": "list", "voices": voices,
-                  "data": [{"id": v, "object": "voice",
+    uploaded = st.voices.store.list() if st.voices.store is not None else []
+    return _json({"object": "list", "voices": voices + [r.name for r in uploaded],
+                  "data": [{"id": v, "object": "voice", "kind": "builtin",
                             "aliases": [a for a in OPENAI_VOICES if aliases[a] == v]}
-                           for v in voices],
+                           for v in voices]
+                  + [{"id": r.name, "kind": "uploaded", **r.as_json()} for r in uploaded],
+                  "uploaded_voices": [r.as_json() for r in uploaded],
+                  "voice_clone": st.voices.supported,
                   "openai_aliases": aliases, "languages": ["auto", *backend.languages()]})
 
 
@@ -130,9 +138,15 @@ def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.
     if settings.default_response_format not in (None, *supported_formats()):
         raise ValueError(f"default_response_format '{settings.default_response_format}' is not "
                          f"available here: use one of {', '.join(supported_formats())}")
-    app = web.Application(client_max_size=settings.max_body_bytes,
+    voices = VoiceService(getattr(backend, "clone_model_dir", None),
+                          getattr(backend, "variant", "custom_voice"), backend.voices(),
+                          settings.voice_dir)
+    # voice uploads and requests carrying ref_audio may be larger than other bodies (the speech
+    # handler holds the others to max_body_bytes)
+    app = web.Application(client_max_size=settings.max_request_bytes(voices.supported),
                           middlewares=[error_middleware, auth_middleware])
-    st = ServerState(backend=backend, settings=settings, metrics=ServerMetrics(backend.stats))
+    st = ServerState(backend=backend, settings=settings, metrics=ServerMetrics(backend.stats),
+                     voices=voices)
     app[STATE] = st
 
     async def on_startup(_: web.Application) -> None:
@@ -153,6 +167,8 @@ def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.
     app.router.add_post("/v1/audio/speech", speech)
     app.router.add_get("/v1/audio/speech/stream", speech_stream)
     app.router.add_get("/v1/audio/voices", list_voices)
+    app.router.add_post("/v1/audio/voices", create_voice)
+    app.router.add_delete("/v1/audio/voices/{name}", delete_voice)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)

@@ -88,6 +88,7 @@ class FakeBackend:
             raise ValueError(f"need max_queue >= 0 and queue_timeout > 0 (as PipelineSettings), "
                              f"got {max_queue} and {queue_timeout}")
         self.model_name = model_name
+        self.variant = "custom_voice"  # named voices; cannot clone (no Base encoders)
         self.sample_rate = sample_rate
         self.supports_instructions = supports_instructions
         self.supports_codec_frames = supports_codec_frames
@@ -118,6 +119,10 @@ class FakeBackend:
         return list(self._languages)
 
     def validate(self, job: SpeechJob) -> None:
+        if job.clone is not None:
+            raise BackendError(400, "voice_clone_unsupported",
+                               f"model '{self.model_name}' cannot clone voices: serve a Base "
+                               "checkpoint", param="voice")
         if job.voice is not None and job.voice not in self._voices:
             raise BackendError(400, "invalid_voice", f"unknown voice '{job.voice}'", param="voice")
         if job.language != "auto" and job.language.lower() not in self._languages:

@@ -37,8 +37,9 @@ class VoiceRef(msgspec.Struct):
     id: str
 
 
-class SynthesisOptions(msgspec.Struct, kw_only=True):
-    """Fields shared by ``POST /v1/audio/speech`` and WebSocket ``session.config``."""
+class SynthesisOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by ``POST /v1/audio/speech`` and WebSocket ``session.config``. A field
+    the server does not implement is refused by name (400), never ignored."""
 
     model: str | None = None  # None: the served model
     voice: Union[str, VoiceRef, None] = None  # None: the model's default speaker
@@ -52,6 +53,11 @@ class SynthesisOptions(msgspec.Struct, kw_only=True):
     initial_codec_chunk_frames: int | None = None
     greedy: bool | None = None
     do_sample: bool | None = None  # do_sample=false is greedy=true
+    task_type: str | None = None  # vLLM-Omni: CustomVoice | VoiceDesign | Base (must match)
+    # voice cloning (Base models): a one-off reference clip, base64 or a data URL
+    ref_audio: str | None = None
+    ref_text: str | None = None  # its transcript (ICL mode, the default)
+    x_vector_only: bool | None = None  # clone from the speaker embedding alone
 
 
 class SpeechRequest(SynthesisOptions, kw_only=True):
@@ -94,19 +100,39 @@ def voice_aliases(backend_voices: list[str]) -> dict[str, str | None]:
     return {a: (backend_voices[i % n] if n else None) for i, a in enumerate(OPENAI_VOICES)}
 
 
-def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str]) -> str | None:
+def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str],
+                  uploaded: list[str] = ()) -> str | None:
+    """The backend voice ``voice`` names (any case; OpenAI names as aliases), an uploaded
+    voice's own name (``uploaded``), or None for the default."""
     if voice is None:
         return None
     name = (voice.id if isinstance(voice, VoiceRef) else voice).strip()
     key = name.lower()
-    for v in backend_voices:
+    for v in (*backend_voices, *uploaded):
         if v.lower() == key:
             return v
     if key in OPENAI_VOICES:
         return voice_aliases(backend_voices)[key]
-    own = ", ".join(backend_voices) or "(none: the model has no preset speakers)"
+    own = ", ".join([*backend_voices, *uploaded]) or "(none: the model has no preset speakers)"
     raise ApiError(400, f"unknown voice '{name}': use one of {own}, or an OpenAI voice name "
                    f"({', '.join(OPENAI_VOICES)})", code="invalid_voice", param="voice")
+
+
+TASK_TYPES = {"customvoice": "custom_voice", "voicedesign": "voice_design", "base": "base"}
+
+
+def check_task_type(task_type: str | None, variant: str | None) -> None:
+    """vLLM-Omni's ``task_type`` must name the served variant (each server runs one model)."""
+    if task_type is None:
+        return
+    want = TASK_TYPES.get(task_type.replace("_", "").replace("-", "").strip().lower())
+    if want is None:
+        raise ApiError(400, f"unknown task_type '{task_type}': use CustomVoice, VoiceDesign or "
+                       "Base", code="invalid_value", param="task_type")
+    if variant is not None and want != variant:
+        raise ApiError(400, f"task_type '{task_type}' needs a {want} checkpoint; this server "
+                       f"serves a {variant} model: drop task_type or serve that variant",
+                       code="task_type_mismatch", param="task_type")
 
 
 # C0 controls except tab, newline and carriage return; DEL; C1 controls; lone surrogates
@@ -218,9 +244,11 @@ def _positive(value: int | None, name: str, upper: int | None = None) -> None:
 
 
 def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSettings, *,
-                    stream_codes: bool = False) -> SpeechJob:
+                    stream_codes: bool = False, voices: Any = None) -> SpeechJob:
     """Check ``opts`` and return a job template (empty text and request id), validated by the
-    backend. Raises ApiError naming the field."""
+    backend. Raises ApiError naming the field. ``voices`` (``server.voices.VoiceService``)
+    resolves uploaded voice names; a ``ref_audio`` is left to ``voices.attach_ref_audio``
+    (the job comes back without a clone), which must run before the job is spoken."""
     served = backend.model_name
     if opts.model is not None and opts.model not in (served, *settings.model_aliases):
         raise ApiError(400, f"unknown model '{opts.model}': this server serves '{served}' "
@@ -249,7 +277,25 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
     instructions = (opts.instructions or "").strip() or None
     if instructions is not None:
         check_text(instructions, settings, "instructions")
-    job = SpeechJob(text="", request_id="", voice=resolve_voice(opts.voice, backend.voices()),
+    check_task_type(opts.task_type, getattr(backend, "variant", None))
+    uploaded = voices.uploaded_names() if voices is not None else []
+    voice = resolve_voice(opts.voice, backend.voices(), uploaded)
+    clone = label = None
+    if opts.ref_audio is None:
+        for name, param in (("ref_text", opts.ref_text), ("x_vector_only", opts.x_vector_only)):
+            if param is not None:
+                raise ApiError(400, f"'{name}' only applies with 'ref_audio' (a one-off clone); "
+                               "an uploaded voice keeps the transcript it was uploaded with",
+                               code="invalid_value", param=name)
+    elif opts.voice is not None:
+        raise ApiError(400, "send either 'voice' or 'ref_audio', not both: 'ref_audio' clones "
+                       "the voice of the clip it carries", code="invalid_value", param="voice")
+    if voice is not None and voice in uploaded:
+        rec = voices.lookup(voice)
+        if rec is None:  # deleted between the two lookups
+            raise ApiError(400, f"unknown voice '{voice}'", code="invalid_voice", param="voice")
+        clone, label, voice = rec.clone, rec.name, None
+    job = SpeechJob(text="", request_id="", voice=voice, clone=clone, voice_label=label,
                     language=(opts.language or "auto").strip().lower() or "auto",
                     instructions=instructions, seed=opts.seed, max_frames=opts.max_new_tokens,
                     greedy=greedy, stream_codes=stream_codes,
@@ -274,7 +320,8 @@ def decode_speech_request(body: bytes) -> SpeechRequest:
     return decode_json(body, SpeechRequest)
 
 
-def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings) -> SpeechPlan:
+def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings,
+                voices: Any = None) -> SpeechPlan:
     stream_format = req.stream_format or "audio"
     if stream_format not in ("audio", "sse"):
         raise ApiError(400, f"unknown stream_format '{stream_format}': use 'audio' or 'sse'",
@@ -296,5 +343,5 @@ def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings) 
     fmt = formats[name]
     mode = "sse" if sse else ("audio" if req.stream and fmt.streamable else "file")
     text = check_text(req.input, settings)
-    job = resolve_options(req, backend, settings)
+    job = resolve_options(req, backend, settings, voices=voices)
     return SpeechPlan(replace(job, text=text, request_id=new_request_id()), fmt, mode)

@@ -29,6 +29,7 @@ class ServerSettings:
     ws_heartbeat_s: float = 20.0
     ws_max_pending_utterances: int = 64
     shutdown_timeout_s: float = 10.0
+    voice_dir: str | None = None  # uploaded voices (None: under the cache dir, per model)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -42,6 +43,16 @@ class ServerSettings:
         for name in ("ws_heartbeat_s", "shutdown_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerSettings.{name} must be > 0")
+
+    def max_request_bytes(self, clone: bool) -> int:
+        """The largest body or WebSocket message. Where the model clones voices, a voice upload
+        or a ref_audio request (base64 of the upload cap plus the other fields) may exceed
+        ``max_body_bytes``."""
+        if not clone:
+            return self.max_body_bytes
+        from omni_stream.voices.audio import MAX_UPLOAD_BYTES
+
+        return max(self.max_body_bytes, MAX_UPLOAD_BYTES * 4 // 3 + (64 << 10))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerSettings":
@@ -60,9 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes)
     p.add_argument("--default-response-format", default=None,
                    help="format when a request names none (default: mp3 where available)")
+    p.add_argument("--voice-dir", default=None,
+                   help="where uploaded voices are kept (default: under the cache dir, one "
+                   "folder per model); they survive restarts")
 
 
 def from_args(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings.from_env(api_key=a.api_key, max_input_chars=a.max_input_chars,
                                    max_body_bytes=a.max_body_bytes,
-                                   default_response_format=a.default_response_format)
+                                   default_response_format=a.default_response_format,
+                                   voice_dir=a.voice_dir)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 from aiohttp import web
@@ -43,7 +44,14 @@ async def speech(request: web.Request) -> web.StreamResponse:
     check_ready(st)
     check_content_type(request.headers.get("Content-Type"))  # 415 before reading the body
     body = await request.read()  # raises 413 past client_max_size
-    plan = plan_speech(decode_speech_request(body), st.backend, st.settings)
+    req = decode_speech_request(body)
+    if len(body) > st.settings.max_body_bytes and req.ref_audio is None:
+        raise ApiError(413, f"the request body is over {st.settings.max_body_bytes} bytes (only "
+                       "a request carrying ref_audio may be larger): shorten the input",
+                       code="request_too_large")
+    plan = plan_speech(req, st.backend, st.settings, st.voices)
+    if req.ref_audio is not None:  # a one-off clone: computed before the stream is admitted
+        plan = replace(plan, job=await st.voices.attach_ref_audio(plan.job, req))
     resp = web.StreamResponse(headers={"X-Request-Id": plan.job.request_id})
     try:
         async with StreamRun(st.backend, plan.job, st.metrics, plan.mode, t0) as run:

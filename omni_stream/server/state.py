@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -20,6 +21,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # backend started and not shutting down
     websockets: set[web.WebSocketResponse] = field(default_factory=set)  # open WS sessions
+    voices: Any = None  # server.voices.VoiceService (uploaded voices, cloning)
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("omni_stream_state", ServerState)

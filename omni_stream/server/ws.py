@@ -89,7 +89,7 @@ class WsSession:
         self.ws = ws
         self.st = st
         self.config = SessionConfig()
-        self.template = resolve_options(self.config, st.backend, st.settings)
+        self.template = resolve_options(self.config, st.backend, st.settings, voices=st.voices)
         self.buffer = ""
         self.queue: asyncio.Queue[SpeechJob | None] = asyncio.Queue()
         self.send_lock = asyncio.Lock()  # keeps a codec.frames header next to its binary frame
@@ -109,7 +109,8 @@ class WsSession:
 
     def describe(self) -> dict[str, Any]:
         t, c = self.template, self.config
-        return {"model": self.st.backend.model_name, "voice": t.voice, "language": t.language,
+        return {"model": self.st.backend.model_name, "voice": t.voice_label or t.voice,
+                "language": t.language,
                 "instructions": t.instructions, "seed": t.seed, "response_format": "pcm",
                 "stream_format": c.stream_format or "audio", "codec_frames": c.codec_frames,
                 "split_sentences": c.split_sentences, "sample_rate": self.st.backend.sample_rate,
@@ -156,7 +157,7 @@ class WsSession:
             return
         try:
             if isinstance(event, SessionConfig):
-                self.configure(event)
+                await self.configure(event)
                 await self.send_json({"type": "session.updated", "session": self.describe()})
             elif isinstance(event, InputText):
                 check_characters(event.text, "text")  # refused whole: the buffer stays clean
@@ -175,7 +176,7 @@ class WsSession:
         except ApiError as e:
             await self.send_error(e)
 
-    def configure(self, cfg: SessionConfig) -> None:
+    async def configure(self, cfg: SessionConfig) -> None:
         backend = self.st.backend
         if (cfg.stream_format or "audio") not in ("audio", "sse"):
             raise ApiError(400, f"unknown stream_format '{cfg.stream_format}': use 'audio' "
@@ -193,8 +194,10 @@ class WsSession:
             if cfg.stream_format == "sse":
                 raise ApiError(400, "codec_frames are sent as binary frames: use stream_format "
                                "'audio'", code="invalid_value", param="stream_format")
-        self.template = resolve_options(cfg, backend, self.st.settings,
-                                        stream_codes=cfg.codec_frames)
+        template = resolve_options(cfg, backend, self.st.settings,
+                                   stream_codes=cfg.codec_frames, voices=self.st.voices)
+        # a ref_audio clip is cloned once here and serves every utterance of the session
+        self.template = await self.st.voices.attach_ref_audio(template, cfg)
         self.config = cfg
 
     def enqueue(self, text: str) -> None:
@@ -235,6 +238,16 @@ class WsSession:
             else:
                 start.update(format="pcm_s16le", channels=1)
             await self.send_json(start)
+            prime = job.clone.prime_codes() if job.stream_codes and job.clone else None
+            if prime is not None:
+                # an ICL voice: the client's decoder decodes these reference frames first and
+                # drops their audio, as the server's Code2Wav does (same left context)
+                async with self.send_lock:
+                    await self.ws.send_str(msgspec.json.encode(
+                        {"type": "codec.prime", "request_id": job.request_id,
+                         "frames": len(prime), "shape": list(prime.shape),
+                         "dtype": "int64"}).decode())
+                    await self.ws.send_bytes(prime.astype("<i8", copy=False).tobytes())
             offset = 0
             while chunk is not None:
                 if chunk.codes is not None and len(chunk.codes):
@@ -263,7 +276,8 @@ async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     st = request.app[STATE]
     check_ready(st)
     ws = web.WebSocketResponse(heartbeat=st.settings.ws_heartbeat_s,
-                               max_msg_size=st.settings.max_body_bytes, compress=False)
+                               max_msg_size=st.settings.max_request_bytes(st.voices.supported),
+                               compress=False)
     await ws.prepare(request)
     st.websockets.add(ws)
     st.metrics.ws_sessions.inc()
