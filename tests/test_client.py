@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +12,7 @@ from clients.playback import simulate_playback
 from clients.stream_client import main as client_main
 from omni_stream.server.audio import to_s16le
 from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
+from omni_stream.server.testing import serving_in_thread
 
 
 def test_playback_on_time_has_no_underrun():
@@ -33,40 +31,17 @@ def test_playback_late_chunk_counts_once_and_stalls():
         simulate_playback([0.0], [])
 
 
-@contextlib.contextmanager
-def serving_in_thread(backend: FakeBackend):
+def serving(backend: FakeBackend):
     """Serve ``backend`` on a background loop thread (the CLI runs its own event loop)."""
     from omni_stream.server.app import start_server
 
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    box = {}
-
-    def run():
-        asyncio.set_event_loop(loop)
-
-        async def up():
-            box["runner"], box["url"] = await start_server(backend, "127.0.0.1", 0)
-            ready.set()
-
-        loop.run_until_complete(up())
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert ready.wait(30)
-    try:
-        yield box["url"]
-    finally:
-        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
+    return serving_in_thread(lambda: start_server(backend, "127.0.0.1", 0))
 
 
 @pytest.fixture()
 def fake_server():
     """A FakeBackend 16x faster than real time (5 ms per 80 ms frame)."""
-    with serving_in_thread(FakeBackend(frame_delay=0.005)) as url:
+    with serving(FakeBackend(frame_delay=0.005)) as url:
         yield url
 
 
@@ -95,7 +70,7 @@ def test_client_writes_wav_and_reports(fake_server, tmp_path, capsys):
 def test_client_counts_underruns_when_the_server_is_slower_than_real_time(tmp_path, capsys):
     # 150 ms per 80 ms frame: a chunk takes 150 ms per frame to make while the one before it,
     # no larger, plays 80 ms per frame, so every chunk after the first arrives late
-    with serving_in_thread(FakeBackend(frame_delay=0.15)) as url:
+    with serving(FakeBackend(frame_delay=0.15)) as url:
         fig = _client_figures(url, tmp_path / "slow.wav", capsys)
     assert fig["rtf"] > 1.0
     assert fig["chunks"] >= 2 and fig["underruns"] == fig["chunks"] - 1

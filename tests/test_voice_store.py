@@ -3,9 +3,7 @@ voice store, and ``omni-stream voices`` against a small server implementing the 
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import io
 import json
 import stat
@@ -16,6 +14,7 @@ import pytest
 import soundfile as sf
 from aiohttp import web
 
+from omni_stream.server.testing import serving_in_thread
 from omni_stream.voices import audio as audio_mod
 from omni_stream.voices import store as store_mod
 from omni_stream.voices.audio import (MAX_SECONDS, MAX_UPLOAD_BYTES, VoiceError, decode_audio,
@@ -489,37 +488,17 @@ def _contract_app(store: VoiceStore):
     return app
 
 
-@contextlib.contextmanager
 def serving(app):
     """Serve ``app`` on an ephemeral port from a background loop (the CLI runs its own loop)."""
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-    ready = threading.Event()
 
     async def up():
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        box["runner"] = runner
-        box["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        ready.set()
+        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(up())
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert ready.wait(30)
-    try:
-        yield box["url"]
-    finally:
-        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
-        loop.close()
+    return serving_in_thread(up)
 
 
 @pytest.fixture

@@ -191,14 +191,22 @@ def load_speech_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
             f"{codec_dir}/model.safetensors has no encoder.* tensors: voice cloning needs the "
             f"speech tokenizer's encoder; use the complete released speech_tokenizer folder of a "
             f"Base model (or write_random_checkpoint(..., variant='base'))")
+    return _load_part(lambda: SpeechEncoder(enc_cfg), tensors, "encoder.", dtype, device,
+                      f"{codec_dir}/model.safetensors")
+
+
+def _load_part(build, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+               device: torch.device | str, where: str) -> nn.Module:
+    """Build a part on the meta device and strictly assign its ``prefix``-ed tensors (floats in
+    ``dtype``); a missing, unexpected or mis-shaped tensor is a CheckpointError naming ``where``."""
     with torch.device("meta"):
-        enc = SpeechEncoder(enc_cfg)
+        part = build()
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     try:
-        enc.load_weights(tensors, prefix="encoder.", assign=True)
+        part.load_weights(tensors, prefix=prefix, assign=True)
     except ValueError as e:
-        raise CheckpointError(f"{codec_dir}/model.safetensors: {e}") from e
-    return enc.eval().to(device)
+        raise CheckpointError(f"{where}: {e}") from e
+    return part.eval().to(device)
 
 
 def load_speaker_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -211,14 +219,8 @@ def load_speaker_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
     _require_base(path, cfg, "the x-vector speaker encoder")
     assert cfg.speaker_encoder is not None  # ModelConfig guarantees it for 'base'
     tensors = _read_tensors(_weight_files(path), lambda k: k.startswith("speaker_encoder."))
-    with torch.device("meta"):
-        spk = SpeakerEncoder(cfg.speaker_encoder)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    try:
-        spk.load_weights(tensors, prefix="speaker_encoder.", assign=True)
-    except ValueError as e:
-        raise CheckpointError(f"{path}/model.safetensors: {e}") from e
-    return spk.eval().to(device)
+    return _load_part(lambda: SpeakerEncoder(cfg.speaker_encoder), tensors, "speaker_encoder.",
+                      dtype, device, f"{path}/model.safetensors")
 
 
 # ---------------------------------------------------------------------------- random writer

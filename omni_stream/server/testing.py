@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+import threading
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import aiohttp
 
@@ -27,6 +28,38 @@ async def running_server(backend: Backend, settings: ServerSettings | None = Non
         yield url
     finally:
         await runner.cleanup()
+
+
+@contextlib.contextmanager
+def serving_in_thread(start: Callable[[], Awaitable[tuple[Any, str]]]) -> Iterator[str]:
+    """Run the server that ``start()`` brings up (returning its ``web.AppRunner`` and URL) on a
+    background event-loop thread, for code under test that runs its own loop (a CLI); yields
+    the URL and cleans the runner up at the end."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def up() -> None:
+            box["runner"], box["url"] = await start()
+            ready.set()
+
+        loop.run_until_complete(up())
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    if not ready.wait(30):
+        raise RuntimeError("the test server did not start within 30 s")
+    try:
+        yield box["url"]
+    finally:
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()
 
 
 def run_async(coro: Awaitable[T], timeout: float = 60.0) -> T:
