@@ -6,10 +6,8 @@ hit: missing/corrupt program, a manifest for another model, a server without cod
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -21,45 +19,18 @@ from clients.stream_client import main as client_main
 from omni_stream.cli import main as cli_main
 from omni_stream.evaluation.metrics import snr_db
 from omni_stream.export.manifest import Manifest, codec_identity
+from omni_stream.server.testing import serving_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 
 TEXT = "Decoding on the client, frame by frame."
 
 
-@contextlib.contextmanager
 def serving(backend):
     """Serve ``backend`` on a background event-loop thread (the client runs its own loop)."""
     from omni_stream.server.app import start_server
 
-    loop = asyncio.new_event_loop()
-    box: dict = {}
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-
-        async def up():
-            try:
-                box["runner"], box["url"] = await start_server(backend, "127.0.0.1", 0)
-            except BaseException as e:  # surface start-up failures in the test
-                box["error"] = e
-            ready.set()
-
-        loop.run_until_complete(up())
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert ready.wait(300), "server did not start"
-    if "error" in box:
-        raise box["error"]
-    try:
-        yield box["url"]
-    finally:
-        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
+    return serving_in_thread(lambda: start_server(backend, "127.0.0.1", 0), timeout=300)
 
 
 @pytest.fixture(scope="module")

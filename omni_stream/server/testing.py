@@ -31,10 +31,11 @@ async def running_server(backend: Backend, settings: ServerSettings | None = Non
 
 
 @contextlib.contextmanager
-def serving_in_thread(start: Callable[[], Awaitable[tuple[Any, str]]]) -> Iterator[str]:
+def serving_in_thread(start: Callable[[], Awaitable[tuple[Any, str]]],
+                      timeout: float = 30.0) -> Iterator[str]:
     """Run the server that ``start()`` brings up (returning its ``web.AppRunner`` and URL) on a
     background event-loop thread, for code under test that runs its own loop (a CLI); yields
-    the URL and cleans the runner up at the end."""
+    the URL and cleans the runner up at the end. A failure to start is raised here."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict[str, Any] = {}
@@ -43,7 +44,10 @@ def serving_in_thread(start: Callable[[], Awaitable[tuple[Any, str]]]) -> Iterat
         asyncio.set_event_loop(loop)
 
         async def up() -> None:
-            box["runner"], box["url"] = await start()
+            try:
+                box["runner"], box["url"] = await start()
+            except BaseException as e:  # surface start-up failures in the caller
+                box["error"] = e
             ready.set()
 
         loop.run_until_complete(up())
@@ -51,8 +55,12 @@ def serving_in_thread(start: Callable[[], Awaitable[tuple[Any, str]]]) -> Iterat
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    if not ready.wait(30):
-        raise RuntimeError("the test server did not start within 30 s")
+    if not ready.wait(timeout):
+        raise RuntimeError(f"the test server did not start within {timeout} s")
+    if "error" in box:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        raise box["error"]
     try:
         yield box["url"]
     finally:
