@@ -146,3 +146,25 @@ def test_offline_icl_audio_is_primed_with_the_reference(base):
     whole = s.decode_audio(np.concatenate([prime, res.codes]))
     assert np.array_equal(res.audio, whole[len(prime) * 1920:])
     assert not np.allclose(res.audio, s.decode_audio(res.codes))  # the context matters
+
+
+def test_primed_decoder_state_moves_between_slots(base):
+    """The codec stage keeps a voice's primed Code2Wav state and restores it into the next
+    stream's slot: that stream must decode exactly as one primed from scratch."""
+    from omni_stream.models.code2wav import Code2WavStream
+
+    g = np.random.default_rng(1)
+    prime = torch.as_tensor(g.integers(0, 2048, size=(1, 16, 25)))
+    speech = torch.as_tensor(g.integers(0, 2048, size=(1, 16, 6)))
+    with torch.inference_mode():
+        s = Code2WavStream(base.code2wav, max_slots=3)
+        s.decode([0], prime)
+        snap = s.snapshot(0)
+        s.decode([2], speech)  # another stream's traffic in between
+        s.restore(1, snap)
+        a = s.decode([0], speech)
+        b = s.decode([1], speech)
+        fresh = Code2WavStream(base.code2wav, max_slots=1)
+        fresh.decode([0], prime)
+        c = fresh.decode([0], speech)
+    assert torch.equal(a, b) and torch.equal(a, c)

@@ -170,6 +170,13 @@ class Code2WavStream:
             raise ValueError(f"slot must lie in [0, {self.max_slots}), got {slot}")
         self.state.reset(slot)
 
+    def snapshot(self, slot: int) -> list[Tensor]:
+        """A copy of ``slot``'s stream state; :meth:`restore` continues it in any slot."""
+        return self.state.snapshot(slot)
+
+    def restore(self, slot: int, snap: list[Tensor]) -> None:
+        self.state.restore(slot, snap)
+
 
 # ---------------------------------------------------------------- random weights
 

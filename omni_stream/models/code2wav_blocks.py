@@ -46,6 +46,15 @@ class Code2WavState:
         for t in (*self.keys, *self.values, *self.tails):
             t[slot].zero_()
 
+    def snapshot(self, slot: int) -> list[Tensor]:
+        """A copy of ``slot``'s state (for :meth:`restore` into any slot)."""
+        return [t[slot].clone() for t in (self.pos, *self.keys, *self.values, *self.tails)]
+
+    def restore(self, slot: int, snap: list[Tensor]) -> None:
+        """Make ``slot`` continue the stream ``snap`` was taken from."""
+        for t, s in zip((self.pos, *self.keys, *self.values, *self.tails), snap, strict=True):
+            t[slot].copy_(s)
+
 
 @dataclass
 class _Step:

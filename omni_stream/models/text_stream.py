@@ -103,8 +103,12 @@ def _opens(c: str) -> bool:
 
 @functools.lru_cache(maxsize=65536)
 def _closes(c: str) -> bool:
-    """Nothing after ``c`` can compose or reorder with ``c`` or anything before it."""
-    return _plain_starter(c) and ord(c) not in _composition_pairs()[0]
+    """Nothing after ``c`` can compose or reorder with ``c`` or anything before it. A second
+    half is excluded too: its composite may take more (Hangul L+V, then +T); and so is a
+    precomposed ``c``: a later mark can sort into its decomposition ("é" + U+0323 -> "ẹ" U+0301)."""
+    first, second = _composition_pairs()
+    return (_plain_starter(c) and not unicodedata.decomposition(c)
+            and ord(c) not in first and ord(c) not in second)
 
 
 def _run_ends(k: str, member) -> list[int]:

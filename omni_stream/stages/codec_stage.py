@@ -19,6 +19,7 @@ keeps serving the others.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the audio ring
 _NO_LEASE = contextlib.nullcontext()
+PRIMED_CACHE = 8  # cloned voices whose primed Code2Wav state is kept (a few MB each)
 
 
 @dataclass
@@ -81,6 +83,8 @@ class CodecStage:
         self.waiting: dict[int, list[Message]] = {}
         self.decode_s = 0.0
         self.decoded_frames = 0
+        self.primed: dict[bytes, list[torch.Tensor]] = {}  # reference frames -> primed state
+        self.primes_decoded = 0
         self.calls = 0
         # the core lease this stage lends its cores through (run_codec_stage sets it when the
         # talker borrows them): held for the length of each decode
@@ -111,9 +115,7 @@ class CodecStage:
             if prime is not None:  # ICL voice: the reference as left context, not played
                 t0 = time.perf_counter()
                 try:
-                    with torch.inference_mode(), \
-                            self.lease.held() if self.lease is not None else _NO_LEASE:
-                        self.dec.decode([slot], torch.from_numpy(prime.T.copy())[None])
+                    self._prime(slot, prime)
                 except Exception as e:  # this stream only
                     log.exception("stream %d: priming Code2Wav failed", sid)
                     self.free.append(slot)
@@ -164,6 +166,24 @@ class CodecStage:
         if m.flags & Flags.END:
             st.ended = True
             st.length = bool(m.flags & Flags.LENGTH)
+
+    @torch.inference_mode()
+    def _prime(self, slot: int, prime: np.ndarray) -> None:
+        """Decode an ICL voice's reference frames into ``slot`` (output dropped). The state it
+        leaves is kept for the next stream of the same voice (LRU of PRIMED_CACHE voices), so an
+        uploaded voice pays the decode once, not per request."""
+        key = hashlib.sha1(prime.tobytes()).digest()
+        snap = self.primed.pop(key, None)
+        if snap is None:
+            with self.lease.held() if self.lease is not None else _NO_LEASE:
+                self.dec.decode([slot], torch.from_numpy(prime.T.copy())[None])
+            snap = self.dec.snapshot(slot)
+            self.primes_decoded += 1
+        else:
+            self.dec.restore(slot, snap)
+        self.primed[key] = snap  # most recent last
+        while len(self.primed) > PRIMED_CACHE:
+            self.primed.pop(next(iter(self.primed)))
 
     def _check_frames(self, codes) -> str | None:
         """Why ``codes`` is not a valid [n, codebooks] int64 block inside the codebook, or None."""
@@ -270,7 +290,8 @@ class CodecStage:
     def stats(self) -> dict[str, float]:
         return dict(streams=len(self.streams), free_slots=len(self.free), failed=self.failed_total,
                     decode_ms_per_frame=1e3 * self.decode_s / max(self.decoded_frames, 1),
-                    decode_calls=self.calls)
+                    decode_calls=self.calls, voice_primes_decoded=self.primes_decoded,
+                    voice_primes_cached=len(self.primed))
 
 
 def run_codec_stage(spec, frames_handle, audio_handle) -> None:
