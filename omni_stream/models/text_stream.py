@@ -12,8 +12,9 @@ on the held window and keep a pre-token only when no continuation can change it:
      still grow into one (``"<|im_"``) is not looked at yet; text up to a finished special token
      is final as a whole (the token ends its segment).
   2. NFC. Text is only looked at up to the last *safe point*: before a starter that nothing
-     composes onto, or after a starter that composes with nothing. Normalization never crosses
-     such a point, so the normalized prefix is final (``"e"`` waits for a possible U+0301).
+     composes onto, or after an undecomposable starter that composes with nothing. NFC never
+     crosses such a point, so the normalized prefix is final (``"e"`` waits for a possible
+     U+0301, ``"é"`` for a possible U+0323, which NFC sorts in front of its acute).
   3. The split regex (both Qwen2 patterns, see ``text_tokenizer``) is matched left to right with
      no lookbehind, and every alternative only scans runs of one character family (letters and
      marks, punctuation and marks, whitespace, ``[\\r\\n/]``), a digit, or 3 chars (``'re``). The
@@ -25,6 +26,8 @@ on the held window and keep a pre-token only when no continuation can change it:
   4. The window restarts at the last final pre-token boundary that is also a safe point: the
      regex restarts there and NFC does not cross it, so tokenizing from there is the same as
      tokenizing the whole text. Per push the work is O(held text + piece).
+Latency: a pre-token is held until the character after it arrives (NFC may hold one more), so
+a word goes out when the next space or punctuation arrives, a CJK run at its next punctuation.
 Tokenizers outside this shape (other normalizer, split pattern or added-token flags) are not
 streamed: every id is held until ``close`` (still exact), with a warning.
 
@@ -107,8 +110,8 @@ def _closes(c: str) -> bool:
     half is excluded too: its composite may take more (Hangul L+V, then +T); and so is a
     precomposed ``c``: a later mark can sort into its decomposition ("é" + U+0323 -> "ẹ" U+0301)."""
     first, second = _composition_pairs()
-    return (_plain_starter(c) and not unicodedata.decomposition(c)
-            and ord(c) not in first and ord(c) not in second)
+    canonical = unicodedata.decomposition(c)[:1] not in ("", "<")
+    return _plain_starter(c) and not canonical and ord(c) not in first and ord(c) not in second
 
 
 def _run_ends(k: str, member) -> list[int]:
