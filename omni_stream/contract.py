@@ -17,6 +17,8 @@ around the generator body does it. There is no separate cancel call.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 
@@ -27,6 +29,34 @@ from omni_stream.voices.clone import VoiceClone
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
 FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
+
+
+class TextFeed:
+    """The text of one continuous utterance as it arrives: the server pushes pieces and closes
+    it, the backend reads them in order (``None``: closed). One event loop only."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.closed = False
+        self.chars = 0  # characters pushed so far (the input cap counts them)
+        self.first_t: float | None = None  # when the first piece came (monotonic)
+
+    def push(self, text: str) -> None:
+        if self.closed:
+            raise ValueError("the utterance is closed")
+        if self.first_t is None:
+            self.first_t = time.monotonic()
+        self.chars += len(text)
+        self._queue.put_nowait(text)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(None)
+
+    async def next(self, timeout: float | None = None) -> str | None:
+        """The next piece, or None once closed; TimeoutError after ``timeout`` s of nothing."""
+        return await asyncio.wait_for(self._queue.get(), timeout)
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,9 @@ class SpeechJob:
     # then None and ``voice_label`` names it for logs and session descriptions
     clone: "VoiceClone | None" = None
     voice_label: str | None = None
+    # continuous text (WebSocket text_mode "continuous"): the text arrives while the utterance
+    # is spoken; ``text`` is then empty and the backend reads the feed until it closes
+    text_feed: "TextFeed | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +105,14 @@ class AudioChunk:
     # final chunk only: "stop" (the model ended the utterance) or "length" (it reached the
     # stream's frame cap: max_new_tokens, or the default cap that follows the text)
     finish_reason: str = "stop"
+    # continuous text: an event chunk (no audio) saying the stream ran out of text and waits
+    # (``text_waiting``) or got it and goes on after ``text_waited_s``
+    text_waiting: bool = False
+    text_waited_s: float | None = None
+
+    @property
+    def is_event(self) -> bool:
+        return self.text_waiting or self.text_waited_s is not None
 
 
 class BackendError(Exception):

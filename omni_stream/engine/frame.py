@@ -18,6 +18,7 @@ compute exactly what they would have without it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -180,6 +181,39 @@ class FrameEngine:
         self.trailing[slot, :n] = trailing.to(self.dtype)
         self.trailing[slot, n:] = self.pad_row
         self.trailing_len[slot] = n
+
+    def append_trailing(self, slot: int, rows: torch.Tensor) -> None:
+        """Add text-track rows [n, C] after the slot's current ones (continuous text: more of
+        the text arrived while the stream runs). ValueError past ``max_trailing``."""
+        n, cur = rows.shape[0], int(self.trailing_len[slot])
+        if cur + n > self.shape.max_trailing:
+            raise ValueError(f"the text grew past {self.shape.max_trailing} tokens, the most one "
+                             "stream takes: close the utterance and continue in a new one")
+        self.trailing[slot, cur:cur + n] = rows.to(self.dtype)
+        self.trailing_len[slot] = cur + n
+
+    def _slot_state(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor a frame step moves on (the KV row it writes at ``pos`` is
+        rewritten by the slot's next real step, and attention masks past ``pos``)."""
+        return (self.active, self.pos, self.gen_step, self.last_hidden, self.last_code0,
+                self.seen, self.n_gen, self.counter)
+
+    @contextlib.contextmanager
+    def holding(self, slots: list[int]):
+        """Frame steps inside leave ``slots`` exactly as they were: a continuous stream waiting
+        for its next text token sits out while the rest of the batch goes on. Their rows are
+        computed and must be ignored by the caller."""
+        if not slots:
+            yield
+            return
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        saved = [t[idx].clone() for t in self._slot_state()]
+        self.active[idx] = False
+        try:
+            yield
+        finally:
+            for t, s in zip(self._slot_state(), saved):
+                t[idx] = s
 
     def set_candidates(self, slot: int, params: SamplingParams) -> None:
         """Record how many top-scoring tokens the slot's draws must consider (1 when greedy)."""

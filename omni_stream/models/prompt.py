@@ -41,6 +41,12 @@ class PromptRequest:
     speaker_embedding: torch.Tensor | None = None  # Base: x-vector [C]
     stream_text: bool = False  # feed text tokens one per decode step
     clone: VoiceClone | None = None  # Base: a cloned voice (x-vector, and ICL reference)
+    # the text as token ids, already tokenized (continuous text: the part that has arrived);
+    # ``text`` is then not tokenized
+    text_ids: tuple[int, ...] | None = None
+    # continuous text still arriving: the trailing rows stop at the last id given (no tts_eos;
+    # the stream appends the rest and tts_eos when the text closes). Needs stream_text.
+    text_open: bool = False
 
     @property
     def x_vector(self) -> torch.Tensor | None:
@@ -91,7 +97,13 @@ class PromptBuilder:
         return self.cfg.talker.languages[lang]
 
     def validate(self, req: PromptRequest) -> None:
-        if not req.text or not req.text.strip():
+        if req.text_ids is not None:
+            vocab = self.cfg.talker.text_vocab_size
+            if not req.text_ids:
+                raise PromptError("no text tokens: send at least one word")
+            if min(req.text_ids) < 0 or max(req.text_ids) >= vocab:
+                raise PromptError(f"text token ids must lie in [0, {vocab})")
+        elif not req.text or not req.text.strip():
             raise PromptError("input text is empty: send at least one word")
         self.resolve_language(req.language)
         v = self.cfg.variant
@@ -103,6 +115,8 @@ class PromptBuilder:
                        else "clone a voice from a reference speaker embedding"))
             raise PromptError(f"unknown voice '{req.speaker}': this model's voices are "
                               f"{', '.join(self.speakers)}")
+        if req.text_open and not req.stream_text:
+            raise PromptError("continuous text needs the text-streaming layout (stream_text)")
         xv = req.x_vector
         if xv is not None:
             if v != "base":
@@ -127,6 +141,16 @@ class PromptBuilder:
                 raise PromptError(f"reference codes must lie in [0, {size})")
 
     @torch.no_grad()
+    def text_rows(self, ids: list[int], eos: bool = False) -> torch.Tensor:
+        """Text-track rows [n (+1), C] of more continuous text (and tts_eos when it closes)."""
+        vocab = self.cfg.talker.text_vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise PromptError(f"text token ids must lie in [0, {vocab})")
+        ids = list(ids) + ([self.cfg.talker.special.tts_eos] if eos else [])
+        dev = self.talker.model.codec_embedding.weight.device
+        return self.talker.text_embed(torch.tensor(ids, dtype=torch.long, device=dev))
+
+    @torch.no_grad()
     def build(self, req: PromptRequest) -> Prompt:
         self.validate(req)
         t = self.talker
@@ -139,16 +163,16 @@ class PromptBuilder:
             if dialect:
                 lang_id = self.cfg.talker.languages[dialect]
 
-        ids = self.tok.encode(assistant_text(req.text))
-        text_ids = ids[3:-5]
+        ids = self.tok.encode(assistant_text(req.text if req.text_ids is None else ""))
+        text_ids = ids[3:-5] if req.text_ids is None else list(req.text_ids)
         if not text_ids:
             raise PromptError("input text tokenizes to nothing: send at least one word")
 
         def temb(tok_ids: list[int]) -> torch.Tensor:
-            return t.text_embed(torch.tensor(tok_ids, device=dev))
+            return t.text_embed(torch.tensor(tok_ids, dtype=torch.long, device=dev))
 
         def cemb(tok_ids: list[int]) -> torch.Tensor:
-            return t.codec_embed(torch.tensor(tok_ids, device=dev))
+            return t.codec_embed(torch.tensor(tok_ids, dtype=torch.long, device=dev))
 
         tts_bos, tts_eos, tts_pad = temb([sp.tts_bos, sp.tts_eos, sp.tts_pad]).split(1)
         if lang_id is None:
@@ -176,7 +200,8 @@ class PromptBuilder:
             parts.append(icl)
         elif req.stream_text:
             parts.append(temb(text_ids[:1]) + codec[-1:])
-            trailing = torch.cat((temb(text_ids[1:]), tts_eos)) if len(text_ids) > 1 else tts_eos
+            end = tts_eos[:0] if req.text_open else tts_eos
+            trailing = torch.cat((temb(text_ids[1:]), end))
         else:
             body = torch.cat((temb(text_ids), tts_eos)) + cemb([sp.codec_pad]).expand(len(text_ids) + 1, -1)
             parts += [body, tts_pad + cemb([sp.codec_bos])]
@@ -191,7 +216,8 @@ class PromptBuilder:
         assert clone is not None and clone.ref_codes is not None and clone.ref_text
         sp = self.cfg.talker.special
         ref_ids = self.tok.encode(ref_text(clone.ref_text))[3:-2]
-        text = torch.cat((temb(ref_ids + text_ids), tts_eos))  # [Lt, C]
+        end = tts_eos[:0] if req.text_open else tts_eos
+        text = torch.cat((temb(ref_ids + text_ids), end))  # [Lt, C]
         dev = text.device
         codes = torch.as_tensor(clone.ref_codes, dtype=torch.long, device=dev)  # [F, G]
         t = self.talker
@@ -204,4 +230,7 @@ class PromptBuilder:
             return torch.cat((body, codec + tts_pad)), tts_pad[:0]
         if nt > nc:
             return text[:nc] + codec, text[nc:]
+        if req.text_open:  # the text must outrun the reference frames before the stream starts
+            raise PromptError(f"an ICL voice needs {nc - nt + 1} more text tokens before a "
+                              "continuous utterance can start")
         return torch.cat((text, tts_pad.expand(nc - nt, -1))) + codec, tts_pad[:0]

@@ -25,6 +25,7 @@ from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
 from omni_stream.models.prompt import assistant_text, instruct_text, ref_text
+from omni_stream.models.text_stream import IncrementalTokenizer
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
@@ -32,8 +33,9 @@ from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.chunking import calibrate
 from omni_stream.scheduling.limits import stream_frame_cap
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, CloneSpec, FailReason,
-                                   Flags, Message, MsgKind, PromptSpec, cleanup_stale)
+from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
+                                   CloneSpec, FailReason, Flags, Message, MsgKind, PromptSpec,
+                                   cleanup_stale)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class PipelineBackend:
         self._completed = 0
         self._failed = 0
         self._invalid_codes = 0  # streams failed because a code failed its check
+        self._text_waits = 0  # continuous streams that ran out of text and waited
         self.codec_info: dict | None = None  # announced to codec-frame clients (set in start)
 
     def text_tokens(self, job: SpeechJob) -> int:
@@ -139,6 +142,7 @@ class PipelineBackend:
                    slots_free=self.s.max_streams - snap.get("admitted", 0),
                    stage_restarts=self.sup.restarts, streams_completed=self._completed,
                    streams_failed=self._failed, streams_failed_invalid_code=self._invalid_codes,
+                   text_waits=self._text_waits,
                    chunk_policy_calibrated=int(self._calibrated))
         out.update({f"admission_{k}": v for k, v in snap.items()})
         return out
@@ -168,17 +172,73 @@ class PipelineBackend:
             self._deliver(st, BackendError(503, "shutting_down", "server is shutting down",
                                            retry_after=5))
 
+    # ------------------------------------------------------------------ continuous text
+    async def _first_text(self, job: SpeechJob) -> tuple[IncrementalTokenizer, list[int]]:
+        """Read ``job.text_feed`` until the prompt can be built: one final text id (an ICL voice:
+        enough ids to outrun its reference frames) or the close. BackendError on an idle feed,
+        an empty utterance or text past the stream's limit."""
+        tok = IncrementalTokenizer(self.tokenizer)
+        need = 1
+        c = job.clone
+        if c is not None and c.icl:  # ref + text (no eos yet) must be longer than bos + frames
+            need = max(1, len(c.ref_codes) + 1 - len(self.tokenizer.encode(ref_text(c.ref_text))[3:-2]) + 1)
+        ids: list[int] = []
+        while len(ids) < need and not tok.closed:
+            ids += await self._next_ids(job, tok)
+        if not ids:
+            raise BackendError(400, "empty_input", "the utterance closed without text: send "
+                               "input.text before input.done", param="text")
+        return tok, ids
+
+    async def _next_ids(self, job: SpeechJob, tok: IncrementalTokenizer) -> list[int]:
+        """The ids the next piece of the feed makes final (all the rest when it closes)."""
+        try:
+            piece = await job.text_feed.next(self.s.text_idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise BackendError(408, "text_timeout", f"no text for {self.s.text_idle_timeout_s:g} "
+                               "s: send input.done to close the utterance; the stream was "
+                               "stopped") from None
+        try:
+            ids = tok.close() if piece is None else tok.push(piece)
+        except ValueError as e:
+            raise BackendError(400, "invalid_characters", str(e), param="text") from None
+        if len(tok.emitted) > self.s.max_text_tokens:
+            raise BackendError(400, "input_too_long", f"the utterance passed "
+                               f"{self.s.max_text_tokens} text tokens, the most one stream "
+                               "takes: close it (input.done) and go on in the next one",
+                               param="text")
+        return ids
+
+    async def _forward_text(self, sid: int, st: _Stream, job: SpeechJob,
+                            tok: IncrementalTokenizer, pipe) -> None:
+        """Send the rest of a continuous utterance to the talker as its ids become final."""
+        try:
+            while not tok.closed:
+                ids = await self._next_ids(job, tok)
+                if ids or tok.closed:
+                    pipe.send(AppendText(stream_id=sid, ids=ids, close=tok.closed))
+        except BackendError as e:
+            st.queue.put_nowait(e)
+        except (ChannelClosed, OSError):
+            st.queue.put_nowait(BackendError(503, "unavailable", "the model pipeline is "
+                                             "restarting", retry_after=2))
+
     # ------------------------------------------------------------------ stream
     async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
         self.validate(job)
         if self.sup.pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
         assert self.adm is not None
-        text_tokens = self.text_tokens(job)
+        feed_tok, first_ids = (await self._first_text(job)) if job.text_feed is not None \
+            else (None, None)
+        text_tokens = len(first_ids) if first_ids is not None else self.text_tokens(job)
         prompt_len = self.prompt_tokens(job, text_tokens)
         room = self.s.max_seq_len - prompt_len - 1
-        max_frames = job.max_frames or stream_frame_cap(None, text_tokens, self.s.frame_cap,
-                                                        self.s.default_max_frames, room)
+        if feed_tok is not None:  # the text may grow: its cap follows it in the talker stage
+            max_frames = job.max_frames or max(1, min(self.s.default_max_frames, room))
+        else:
+            max_frames = job.max_frames or stream_frame_cap(None, text_tokens, self.s.frame_cap,
+                                                            self.s.default_max_frames, room)
         if prompt_len + max_frames + 1 > self.s.max_seq_len:
             raise BackendError(400, "request_too_large", f"prompt ({prompt_len} positions) + "
                                f"max_new_tokens ({max_frames}) exceed the {self.s.max_seq_len} "
@@ -194,6 +254,7 @@ class PipelineBackend:
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         st = _Stream(sid, asyncio.get_running_loop())
         self._streams[sid] = st
+        forwarder = None
         pipe = self.sup.pipe
         try:
             if pipe is None:
@@ -209,17 +270,34 @@ class PipelineBackend:
                                               # the official clone path streams the text
                                               stream_text=job.clone is not None,
                                               clone=(CloneSpec.of(job.clone)
-                                                     if job.clone is not None else None)),
+                                                     if job.clone is not None else None),
+                                              text_ids=first_ids,
+                                              continuous=feed_tok is not None),
                             sampling=SamplingParams.greedy() if job.greedy else SamplingParams(),
-                            stream_codes=job.stream_codes)
+                            stream_codes=job.stream_codes,
+                            text_cap=(self.s.frame_cap if feed_tok is not None
+                                      and job.max_frames is None else None))
             with stepstats.phase("server.dispatch"):
                 pipe.send(msg)
+            if feed_tok is not None:
+                if feed_tok.closed:
+                    pipe.send(AppendText(stream_id=sid, close=True))
+                else:
+                    forwarder = asyncio.create_task(
+                        self._forward_text(sid, st, job, feed_tok, pipe))
             total = 0
             while True:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 m = item
+                if m.kind == MsgKind.EVENT and m.flags & (Flags.WAIT | Flags.RESUME):
+                    if m.flags & Flags.WAIT:
+                        self._text_waits += 1
+                        yield AudioChunk(text_waiting=True)
+                    else:
+                        yield AudioChunk(text_waited_s=m.aux / 1e3)
+                    continue
                 if m.flags & Flags.ERROR:
                     text = bytes(m.payload).decode(errors="replace") if m.payload is not None else ""
                     if m.aux == FailReason.INVALID_CODE:
@@ -248,6 +326,8 @@ class PipelineBackend:
             self._failed += 1
             raise
         finally:
+            if forwarder is not None:
+                forwarder.cancel()
             self._streams.pop(sid, None)
             if not st.done and self.sup.pipe is pipe and pipe is not None:
                 try:

@@ -43,6 +43,12 @@ class PipelineSettings:
     cpu_sets: dict = field(default_factory=dict)  # stage ('talker'|'cp'|'codec') -> CPU ids
     cp_threads: int = 1
     lend_cores: bool = False  # codec's cores run talker runtime threads while it is idle
+    # continuous text: a stream that gets no text for this long (and is not closed) fails with
+    # 408 text_timeout, freeing its slot
+    text_idle_timeout_s: float = 30.0
+    # the most text tokens one continuous utterance takes (the talker's text-track rows per
+    # slot, ``EngineShape.max_trailing``, less tts_eos)
+    max_text_tokens: int = 511
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

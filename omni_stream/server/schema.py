@@ -73,6 +73,7 @@ class SessionConfig(SynthesisOptions, kw_only=True, tag="session.config", tag_fi
     stream_format: str | None = None  # "audio": binary frames (default); "sse": JSON events
     codec_frames: bool = False  # send codec frames instead of PCM (client-side Code2Wav)
     split_sentences: bool = True  # synthesize each complete sentence as soon as it arrives
+    text_mode: str | None = None  # "sentences" (default) | "continuous": one utterance fed live
 
 
 class InputText(msgspec.Struct, tag="input.text", tag_field="type"):

@@ -3,12 +3,18 @@
 Client -> server (JSON text messages, field ``type``):
   ``session.config`` {voice, language, instructions, seed, response_format ("pcm"),
       stream_format ("audio": binary frames, default | "sse": JSON delta events),
-      codec_frames (bool), split_sentences (bool, default true), max_new_tokens,
-      initial_codec_chunk_frames, greedy, model}: applies to the utterances that follow.
+      codec_frames (bool), split_sentences (bool, default true), text_mode ("sentences",
+      default | "continuous"), max_new_tokens, initial_codec_chunk_frames, greedy, model,
+      ref_audio / ref_text / x_vector_only (cloning)}: applies to the utterances that follow.
   ``input.text`` {text}: appended to the text buffer; with split_sentences every complete
       sentence (terminal punctuation + whitespace, or CJK terminal punctuation) is queued as an
       utterance at once, and a buffer past the input cap is cut at its last space.
-  ``input.done``: the rest of the buffer becomes an utterance.
+      text_mode "continuous": every piece (any split: mid-word, mid-character sequence) is
+      appended to ONE running utterance, spoken while it is written (an LLM's tokens); its text
+      is tokenized as far as more text cannot change the tokens, so the speech is exactly that
+      of the whole text sent at once in text-streaming mode.
+  ``input.done``: the rest of the buffer becomes an utterance (continuous: closes it; the next
+      ``input.text`` starts the next one).
   ``session.close``: flush the buffer, finish every queued utterance, then ``session.done``.
 
 Server -> client:
@@ -17,8 +23,15 @@ Server -> client:
   sample_rate, frame_rate, and where known codebook_size, samples_per_frame, codec_sha256,
   model_size, variant, decode_dtype}: what a client-side decoder must match (``omni-stream
   export-decoder``); ``decode_dtype`` is what the server itself decodes in.
-  Per utterance ``audio.start`` {request_id, text, format, sample_rate, ...}, then the audio,
-  then ``audio.done`` {request_id, usage, finish_reason}; ``session.done`` then close 1000.
+  Per utterance ``audio.start`` {request_id, text, format, sample_rate, ...} with its first
+  audio, then the audio, then ``audio.done`` {request_id, usage, finish_reason}; ``session.done``
+  then close 1000. Continuous utterances: ``text.waiting`` {request_id, frames} when the speech
+  caught up with the text and waits for more (the writer, not the TTS, is the bottleneck),
+  ``text.resumed`` {request_id, frames, waited_ms, total_waited_ms} when it goes on, and
+  ``audio.done`` adds ``text_waited_ms``. An utterance left open with no text for the
+  server's idle time (30 s) fails with ``error`` code ``text_timeout``, freeing its slot. One
+  that ends before its ``input.done`` (the model finished, or it reached max_new_tokens) is
+  over: the next ``input.text`` starts a new utterance.
   ``finish_reason`` is "stop" (the model ended the utterance) or "length" (it reached the frame
   cap, max_new_tokens or the default that follows the text: the audio may end mid-word).
   Audio is binary frames of pcm s16le mono at ``sample_rate``; with stream_format "sse",
@@ -47,7 +60,7 @@ import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_stream.server.audio import to_s16le
-from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob
+from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob, TextFeed
 from omni_stream.server.errors import ApiError
 from omni_stream.server.schema import (ClientEvent, InputDone, InputText, SessionClose,
                                        SessionConfig, check_characters, check_text, decode_json,
@@ -91,6 +104,7 @@ class WsSession:
         self.config = SessionConfig()
         self.template = resolve_options(self.config, st.backend, st.settings, voices=st.voices)
         self.buffer = ""
+        self.feed: TextFeed | None = None  # the open continuous utterance
         self.queue: asyncio.Queue[SpeechJob | None] = asyncio.Queue()
         self.send_lock = asyncio.Lock()  # keeps a codec.frames header next to its binary frame
         self.closing = False  # session.close received
@@ -113,7 +127,8 @@ class WsSession:
                 "language": t.language,
                 "instructions": t.instructions, "seed": t.seed, "response_format": "pcm",
                 "stream_format": c.stream_format or "audio", "codec_frames": c.codec_frames,
-                "split_sentences": c.split_sentences, "sample_rate": self.st.backend.sample_rate,
+                "split_sentences": c.split_sentences, "text_mode": c.text_mode or "sentences",
+                "sample_rate": self.st.backend.sample_rate,
                 **({"codec": self.codec()} if self.st.backend.supports_codec_frames else {})}
 
     def codec(self) -> dict[str, Any]:
@@ -161,12 +176,18 @@ class WsSession:
                 await self.send_json({"type": "session.updated", "session": self.describe()})
             elif isinstance(event, InputText):
                 check_characters(event.text, "text")  # refused whole: the buffer stays clean
+                if self.continuous:
+                    self.append(event.text)
+                    return
                 pieces, self.buffer = split_sentences(self.buffer + event.text,
                                                       self.st.settings.max_input_chars,
                                                       self.config.split_sentences)
                 for piece in pieces:
                     self.enqueue(piece)
             elif isinstance(event, (InputDone, SessionClose)):
+                if self.feed is not None:
+                    self.feed.close()
+                    self.feed = None
                 text, self.buffer = self.buffer, ""
                 if text.strip():
                     self.enqueue(text.strip())
@@ -176,8 +197,39 @@ class WsSession:
         except ApiError as e:
             await self.send_error(e)
 
+    @property
+    def continuous(self) -> bool:
+        return self.config.text_mode == "continuous"
+
+    def append(self, text: str) -> None:
+        """Continuous mode: ``text`` joins the open utterance (opening one if none is)."""
+        cap = self.st.settings.max_input_chars
+        if self.feed is None:
+            if not text:
+                return
+            if self.queue.qsize() >= self.st.settings.ws_max_pending_utterances:
+                raise ApiError(429, f"more than {self.st.settings.ws_max_pending_utterances} "
+                               "utterances pending: wait for audio.done before sending more",
+                               code="too_many_pending", param="text")
+            self.feed = TextFeed()
+            self.queue.put_nowait(replace(self.template, text="", request_id=new_request_id("ws"),
+                                          text_feed=self.feed))
+        if self.feed.chars + len(text) > cap:
+            raise ApiError(400, f"the utterance would pass {cap} characters: this piece was "
+                           "refused; close it with input.done and go on in a new one",
+                           code="input_too_long", param="text")
+        self.feed.push(text)
+
     async def configure(self, cfg: SessionConfig) -> None:
         backend = self.st.backend
+        if (cfg.text_mode or "sentences") not in ("sentences", "continuous"):
+            raise ApiError(400, f"unknown text_mode '{cfg.text_mode}': use 'sentences' (each "
+                           "sentence is its own utterance) or 'continuous' (one utterance fed "
+                           "as it is written, closed by input.done)", code="invalid_value",
+                           param="text_mode")
+        if self.feed is not None:
+            raise ApiError(400, "a continuous utterance is open: close it with input.done "
+                           "before changing the session", code="utterance_open")
         if (cfg.stream_format or "audio") not in ("audio", "sse"):
             raise ApiError(400, f"unknown stream_format '{cfg.stream_format}': use 'audio' "
                            "(binary frames) or 'sse' (JSON delta events)", code="invalid_value",
@@ -216,6 +268,12 @@ class WsSession:
                     await self.speak(job)
                 except ApiError as e:
                     await self.send_error(e, job.request_id)
+                finally:
+                    if job.text_feed is not None and job.text_feed is self.feed:
+                        # over before its close (failed, or the model ended it): the next
+                        # input.text starts a new utterance
+                        self.feed.close()
+                        self.feed = None
             self.finishing = True
             await self.send_json({"type": "session.done"})
             await self.ws.close(code=WSCloseCode.OK)
@@ -229,27 +287,22 @@ class WsSession:
     async def speak(self, job: SpeechJob) -> None:
         st, sse = self.st, self.config.stream_format == "sse"
         async with StreamRun(st.backend, job, st.metrics, "ws", time.perf_counter()) as run:
-            chunk = await run.next()
-            start = {"type": "audio.start", "request_id": job.request_id, "text": job.text,
-                     "sample_rate": st.backend.sample_rate}
-            if job.stream_codes:
-                start.update(self.codec())
-                start.update(format="codec_frames", dtype="int64")  # dtype of the codes
-            else:
-                start.update(format="pcm_s16le", channels=1)
-            await self.send_json(start)
-            prime = job.clone.prime_codes() if job.stream_codes and job.clone else None
-            if prime is not None:
-                # an ICL voice: the client's decoder decodes these reference frames first and
-                # drops their audio, as the server's Code2Wav does (same left context)
-                async with self.send_lock:
-                    await self.ws.send_str(msgspec.json.encode(
-                        {"type": "codec.prime", "request_id": job.request_id,
-                         "frames": len(prime), "shape": list(prime.shape),
-                         "dtype": "int64"}).decode())
-                    await self.ws.send_bytes(prime.astype("<i8", copy=False).tobytes())
+            started = False
             offset = 0
-            while chunk is not None:
+            waited_s = 0.0
+            while (chunk := await run.next()) is not None:
+                if chunk.is_event:  # continuous text: the stream waits for (or got) its text
+                    event = {"type": "text.waiting" if chunk.text_waiting else "text.resumed",
+                             "request_id": job.request_id, "frames": offset}
+                    if chunk.text_waited_s is not None:
+                        waited_s += chunk.text_waited_s
+                        event.update(waited_ms=round(chunk.text_waited_s * 1e3),
+                                     total_waited_ms=round(waited_s * 1e3))
+                    await self.send_json(event)
+                    continue
+                if not started:  # with the first audio (or the empty end of a silent one)
+                    started = True
+                    await self._audio_start(job)
                 if chunk.codes is not None and len(chunk.codes):
                     codes = chunk.codes  # [n, 16]
                     async with self.send_lock:
@@ -266,10 +319,36 @@ class WsSession:
                     else:
                         async with self.send_lock:
                             await self.ws.send_bytes(data)
+                    offset += chunk.frames
                 run.sent(chunk)
-                chunk = await run.next()
-            await self.send_json({"type": "audio.done", "request_id": job.request_id,
-                                  "usage": run.usage(), "finish_reason": run.finish_reason()})
+            done = {"type": "audio.done", "request_id": job.request_id, "usage": run.usage(),
+                    "finish_reason": run.finish_reason()}
+            if job.text_feed is not None:
+                done["text_waited_ms"] = round(waited_s * 1e3)
+            await self.send_json(done)
+
+    async def _audio_start(self, job: SpeechJob) -> None:
+        st = self.st
+        start = {"type": "audio.start", "request_id": job.request_id, "text": job.text,
+                 "sample_rate": st.backend.sample_rate}
+        if job.text_feed is not None:
+            start.update(text=None, text_mode="continuous")
+        if job.stream_codes:
+            start.update(self.codec())
+            start.update(format="codec_frames", dtype="int64")  # dtype of the codes
+        else:
+            start.update(format="pcm_s16le", channels=1)
+        await self.send_json(start)
+        prime = job.clone.prime_codes() if job.stream_codes and job.clone else None
+        if prime is not None:
+            # an ICL voice: the client's decoder decodes these reference frames first and drops
+            # their audio, as the server's Code2Wav does (same left context)
+            async with self.send_lock:
+                await self.ws.send_str(msgspec.json.encode(
+                    {"type": "codec.prime", "request_id": job.request_id,
+                     "frames": len(prime), "shape": list(prime.shape),
+                     "dtype": "int64"}).decode())
+                await self.ws.send_bytes(prime.astype("<i8", copy=False).tobytes())
 
 
 async def speech_stream(request: web.Request) -> web.WebSocketResponse:

@@ -133,6 +133,11 @@ class CodecStage:
                 self.failed.discard(sid)
             return
         st = self.streams.get(sid)
+        if m.kind == MsgKind.EVENT and m.flags & (Flags.WAIT | Flags.RESUME):
+            # a continuous stream waits for (or got) its text: the server tells its client
+            self.out.put(None, kind=MsgKind.EVENT, stream_id=sid, flags=m.flags, aux=m.aux,
+                         timeout=5.0)
+            return
         if m.kind == MsgKind.EVENT:
             if m.flags & Flags.ERROR:
                 self.out.put(m.payload, kind=MsgKind.EVENT, stream_id=sid,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
@@ -56,6 +56,19 @@ class StreamState:
     decoding: bool = False
     frames: int = 0
     first_t: float | None = None  # when its first frame left (the playback clock's origin)
+    # continuous text (AppendText): the text may still grow; the stream waits (sits out frame
+    # steps) while it has no text-track row left for its next step
+    text_open: bool = False
+    rows_in: int = 0  # text-track rows the engine holds for it (one per decode step)
+    text_len: int = 0  # text tokens so far (its frame cap follows them)
+    new_ids: list[int] = field(default_factory=list)  # arrived, not yet in the engine
+    close_pending: bool = False  # the text was closed; tts_eos not yet in the engine
+    waiting_since: float | None = None
+
+    def starved(self) -> bool:
+        """Waiting for text: the next step would need a text row that has not arrived."""
+        return self.text_open and not self.new_ids and not self.close_pending \
+            and self.frames >= self.rows_in
 
 
 class FrameEnd(enum.Enum):
@@ -132,8 +145,9 @@ class TalkerScheduler:
             d = Decision(Action.RUN, left, 0, reason="throttling off")
         else:
             now = self.clock()
+            # a stream waiting for its text is not late: its client is (not counted)
             running = [RunningStream(slack_s(s.frames * self.frame_audio_s, s.first_t, now))
-                       for s in self.decoding()]
+                       for s in self.decoding() if s.waiting_since is None]
             d = decide_prefill([PendingPrefill(left, now - st.arrived)], running, self.cost,
                                self.frame_s, th.margin_s, th.max_split_tokens,
                                min_split_tokens=min(th.min_split_tokens, left),
@@ -161,6 +175,16 @@ class TalkerScheduler:
         st.decoding = True
 
     # ------------------------------------------------------------------ frames and ends
+    def resumed(self, st: StreamState, now: float) -> float:
+        """``st`` got its text and goes on: returns the seconds it waited. A listener whose
+        buffer ran dry meanwhile starts again from here (its slack restarts at 0)."""
+        assert st.waiting_since is not None
+        waited = now - st.waiting_since
+        st.waiting_since = None
+        if st.first_t is not None:
+            st.first_t = max(st.first_t, now - st.frames * self.frame_audio_s)
+        return waited
+
     def stepped(self, seconds: float) -> None:
         """One batched frame step took ``seconds`` (the throttle's decode-step estimate)."""
         self.frame_s = 0.8 * self.frame_s + 0.2 * seconds

@@ -38,9 +38,9 @@ from omni_stream.observability import stepstats
 from omni_stream.scheduling.throttle import Action
 from omni_stream.stages.talker_scheduler import (FrameEnd, StreamState, TalkerScheduler,
                                                  ThrottleSettings)
-from omni_stream.transport import (AddStream, CancelStream, ChannelClosed, ControlChannel,
-                                   FailReason, Flags, MsgKind, Ring, Shutdown, StatsReply,
-                                   StatsRequest, StreamStart)
+from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
+                                   ControlChannel, FailReason, Flags, MsgKind, Ring, Shutdown,
+                                   StatsReply, StatsRequest, StreamStart)
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import StageSpec, start_stage
 
@@ -81,7 +81,13 @@ class TalkerStage:
     def handle(self, msg) -> bool:
         """Apply one control message; False on Shutdown."""
         if isinstance(msg, AddStream):
-            self.sched.submit(msg.stream_id, msg.max_frames, msg)
+            st = self.sched.submit(msg.stream_id, msg.max_frames, msg)
+            st.text_open = msg.prompt.continuous
+        elif isinstance(msg, AppendText):
+            st = self.sched.find(msg.stream_id)
+            if st is not None and st.text_open:  # else: gone, or a duplicate close
+                st.new_ids.extend(msg.ids)
+                st.close_pending |= msg.close
         elif isinstance(msg, CancelStream):
             self.cancel(msg.stream_id)
         elif isinstance(msg, Shutdown):
@@ -104,7 +110,10 @@ class TalkerStage:
         self._step = GraphedStep(self.engine, enabled=True).step
 
     def busy(self) -> bool:
-        return self.sched.busy()
+        """Work to do now: a prefill, or a decoding stream that is not waiting for its text."""
+        sc = self.sched
+        return bool(sc.pending) or any(s is not None and not (s.decoding and s.starved())
+                                       for s in sc.slots)
 
     def stats(self) -> dict[str, float]:
         sc = self.sched
@@ -151,9 +160,19 @@ class TalkerStage:
             return False
         msg, p = st.request, st.request.prompt
         clone = p.clone.to_clone() if p.clone is not None else None
+        text_ids = None
+        if p.continuous:  # the text so far, with what arrived since the AddStream
+            text_ids = tuple(p.text_ids or ()) + tuple(st.new_ids)
+            st.new_ids = []
+            st.text_open = not st.close_pending
+            st.close_pending = False
+            st.text_len = len(text_ids)
+            self._cap(st)
         req = PromptRequest(text=p.text, language=p.language or "auto", speaker=p.speaker,
-                            instructions=p.instructions, stream_text=p.stream_text, clone=clone)
+                            instructions=p.instructions, stream_text=p.stream_text or p.continuous,
+                            clone=clone, text_ids=text_ids, text_open=st.text_open)
         prompt = self.builder.build(req)
+        st.rows_in = int(prompt.trailing.shape[0])
         if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
             raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "
                              f"the slot's {self.engine.shape.max_seq_len} positions")
@@ -165,6 +184,48 @@ class TalkerStage:
                             prime_codes=b"" if prime is None else prime.astype("<i8").tobytes())
         self._event(msg.stream_id, Flags.FIRST, start.to_payload())
         return True
+
+    def _cap(self, st: StreamState) -> None:
+        """A continuous stream's frame cap follows its text so far."""
+        msg = st.request
+        if msg.text_cap is not None:
+            st.max_frames = min(msg.max_frames, msg.text_cap.frames(st.text_len))
+
+    def _feed_text(self, st: StreamState) -> None:
+        """Move ``st``'s newly arrived text (and its close: tts_eos) into the engine."""
+        ids, close = st.new_ids, st.close_pending
+        rows = self.builder.text_rows(ids, eos=close)
+        self.engine.append_trailing(st.slot, rows)
+        st.rows_in += int(rows.shape[0])
+        st.text_len += len(ids)
+        st.new_ids, st.close_pending = [], False
+        if close:
+            st.text_open = False
+        self._cap(st)
+
+    def _wait_for_text(self, running: list[StreamState]) -> list[StreamState]:
+        """Feed arrived text to the running streams; return those that must sit out this step
+        (no text row for it yet), telling the codec stage when one starts or stops waiting."""
+        now = time.monotonic()
+        held = []
+        for st in list(running):
+            if st.new_ids or st.close_pending:
+                try:
+                    self._feed_text(st)
+                except ValueError as e:  # past the engine's text rows: this stream only
+                    self._fail(st, str(e))
+                    running.remove(st)
+                    continue
+            if st.starved():
+                held.append(st)
+                if st.waiting_since is None:
+                    st.waiting_since = now
+                    self._event(st.stream_id, Flags.WAIT, aux=st.frames)
+            elif st.waiting_since is not None:
+                waited = self.sched.resumed(st, now)
+                stepstats.record("talker.text_wait", waited)
+                self._event(st.stream_id, Flags.RESUME, aux=round(waited * 1e3))
+        return held
 
     def _feed(self, st: StreamState, tokens: int) -> None:
         """Prefill the next piece of ``st``'s prompt; the last piece makes it decode."""
@@ -220,11 +281,17 @@ class TalkerStage:
         if not p:
             return did
         running = self.sched.decoding()
+        held = self._wait_for_text(running)
+        if held:
+            running = [st for st in running if st not in held]
+            if not running:
+                return did
         if self.faults:
             self._inject_faults(running)
         t0 = time.perf_counter()
         try:
-            codes, code0 = self._step(p)
+            with self.engine.holding([st.slot for st in held]):
+                codes, code0 = self._step(p)
             codes_np = codes.cpu().numpy()
             nxt = code0.tolist()
         except Exception as e:  # not attributable to one stream: fail this step's streams only

@@ -1,6 +1,6 @@
 """Inter-process data plane: shared-memory rings (data), eventfd wake-ups, msgspec control."""
 
-from .messages import (AddStream, CancelStream, ChannelClosed, CloneSpec, ControlChannel,
+from .messages import (AddStream, AppendText, CancelStream, ChannelClosed, CloneSpec, ControlChannel,
                        ControlMessage, PromptSpec, Shutdown, StageError, StatsReply, StatsRequest, StreamStart,
                        decode, encode)
 from .notify import Notifier
@@ -10,7 +10,7 @@ from .shm import (SEGMENT_PREFIX, SegmentRegistry, cleanup_stale, default_regist
                   default_shm_dir, pid_alive)
 
 __all__ = [
-    "AddStream", "CancelStream", "ChannelClosed", "CloneSpec", "ControlChannel", "ControlMessage", "DTYPES",
+    "AddStream", "AppendText", "CancelStream", "ChannelClosed", "CloneSpec", "ControlChannel", "ControlMessage", "DTYPES",
     "FailReason", "Flags", "HEADER_SIZE", "Message", "MsgKind", "Notifier", "PromptSpec", "Ring",
     "RingHandle", "SEGMENT_PREFIX", "SegmentRegistry", "Shutdown", "StageError", "StatsReply",
     "StatsRequest", "StreamStart",

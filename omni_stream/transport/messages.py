@@ -27,6 +27,7 @@ import numpy as np
 
 from omni_stream.config import SamplingParams
 from omni_stream.scheduling.chunking import ChunkPolicy
+from omni_stream.scheduling.limits import FrameCap
 from omni_stream.voices.clone import VoiceClone
 
 
@@ -69,6 +70,11 @@ class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instructions: str | None = None
     stream_text: bool = False  # feed the text token by token alongside the codec frames
     clone: CloneSpec | None = None  # a cloned voice (Base models)
+    # continuous text (text arrives while the stream runs): the text so far as token ids (the
+    # server tokenizes, keeping back the tail whose tokens could still change); AppendText
+    # brings the rest and closes it. Implies stream_text.
+    text_ids: list[int] | None = None
+    continuous: bool = False
 
 
 class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True,
@@ -83,6 +89,8 @@ class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True,
     seed: int = 0
     max_frames: int = 4096
     stream_codes: bool = False
+    # continuous text: the frame cap follows the text so far (never above max_frames)
+    text_cap: FrameCap | None = None
 
     def __post_init__(self) -> None:
         _check_stream_id(self.stream_id)
@@ -128,6 +136,21 @@ class StreamStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return _start_decoder.decode(payload.tobytes())
 
 
+class AppendText(msgspec.Struct, tag="append_text", tag_field="type", frozen=True,
+                 forbid_unknown_fields=True):
+    """More text token ids for a continuous stream (in order); ``close``: no more will come
+    (its tts_eos follows the last id)."""
+
+    stream_id: int
+    ids: list[int] = []
+    close: bool = False
+
+    def __post_init__(self) -> None:
+        _check_stream_id(self.stream_id)
+        if any(i < 0 for i in self.ids):
+            raise ValueError("text token ids must be >= 0")
+
+
 class CancelStream(msgspec.Struct, tag="cancel_stream", tag_field="type", frozen=True):
     """Free the stream's slot now (client gone); no more output is wanted."""
 
@@ -165,7 +188,8 @@ class StageError(msgspec.Struct, tag="stage_error", tag_field="type", frozen=Tru
     fatal: bool = False
 
 
-ControlMessage = Union[AddStream, CancelStream, StatsRequest, StatsReply, Shutdown, StageError]
+ControlMessage = Union[AddStream, AppendText, CancelStream, StatsRequest, StatsReply, Shutdown,
+                       StageError]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -47,6 +47,8 @@ class Flags(IntFlag):
     ERROR = 2     # the stream failed upstream; payload may be empty
     FIRST = 4     # first message of the stream
     LENGTH = 8    # with END: the stream stopped at its frame cap, not at the model's end
+    WAIT = 16     # EVENT: a continuous stream ran out of text and waits (aux: frames so far)
+    RESUME = 32   # EVENT: its text arrived and it goes on (aux: milliseconds waited)
 
 
 class FailReason(IntEnum):
