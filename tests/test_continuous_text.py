@@ -123,6 +123,26 @@ def test_any_split_gives_the_codes_of_the_whole_text(tiny_ckpt, engine):
     assert waited > 0  # the pauses made some streams wait for their text
 
 
+@pytest.mark.slow
+def test_any_split_at_0_6b_shape(ckpt_factory):
+    """The same property on the released 0.6B widths (depth cut for test time; the checkpoint
+    is the one the official-parity tests use)."""
+    ck = ckpt_factory("0.6b", "custom_voice", 1, talker_layers=2, cp_layers=2)
+    text = TEXTS[1]
+    ref = _offline(ck, text, FRAMES)
+    rng = random.Random(3)
+    cases = [_splits(text, rng) for _ in range(2)]
+
+    async def main():
+        async with running_server(PipelineBackend(_settings(ck, max_streams=2))) as url:
+            return await asyncio.gather(*[
+                _continuous(url, pieces, [rng.choice([0.0, 0.4]) for _ in pieces],
+                            max_new_tokens=FRAMES) for pieces in cases])
+
+    for pieces, res in zip(cases, run_async(main(), timeout=600)):
+        assert np.array_equal(res["codes"], ref), pieces
+
+
 def test_a_slow_writer_does_not_stall_a_fast_one(tiny_ckpt):
     fast_text, slow_text = TEXTS[0], "One. Two. Three. Four."
     words = slow_text.split(" ")

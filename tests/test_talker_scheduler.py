@@ -144,3 +144,29 @@ def test_prefill_costs_and_step_times_are_learned():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_slots"):
         sched(slots=0)
+
+
+def test_a_stream_waiting_for_text_does_not_throttle_prefills():
+    """A continuous stream that ran out of text is not late (its writer is): its dry buffer must
+    not defer a new prefill, and when its text comes its playback clock restarts at zero slack."""
+    clock = Clock()
+    th = ThrottleSettings(margin_s=0.1, max_split_tokens=64, min_split_tokens=8, starvation_s=60)
+    s = sched(throttle=th, clock=clock)
+    st = admit(s, 1)
+    st.text_open, st.rows_in = True, 2
+    for _ in range(2):
+        s.advance(st, 7, now=clock.t)
+    assert st.starved()  # 2 frames made, 2 text rows used: the next step needs more text
+    st.waiting_since = clock.t
+    clock.t += 5.0  # the listener ran dry 5 s ago, waiting for the writer
+    new = s.submit(2, 100)
+    s.assign(new, 2000)
+    assert s.decide(new).action is not Action.DEFER
+    st.new_ids.append(42)
+    assert not st.starved()
+    assert s.resumed(st, clock.t) == pytest.approx(5.0)
+    assert st.waiting_since is None
+    assert st.first_t == pytest.approx(clock.t - 2 * 0.08)  # slack 0, not -5 s
+    # with the same stream late but NOT waiting for text, the prefill is deferred
+    clock.t += 1.0
+    assert s.decide(new).action is Action.DEFER
