@@ -11,6 +11,11 @@ WebSocket (16 codes per 80 ms frame) and Code2Wav runs here:
     omni-stream export-decoder --model CHECKPOINT --format pte --out dec/
     omni-stream-client --text "Hello there." --decoder-backend executorch --pte-manifest dec/manifest.json --out a.wav
     omni-stream-client --text "Hello there." --decoder-backend torch --codec-model CHECKPOINT --out a.wav
+
+``--text-stdin`` reads the text from standard input; with ``--continuous`` it is spoken while it
+is written, as one utterance (the WebSocket's continuous text mode), e.g. an LLM's answer:
+
+    llm "Tell me a story" | omni-stream-client --text-stdin --continuous --voice ryan
 """
 
 from __future__ import annotations
@@ -128,11 +133,30 @@ def ref_audio_fields(path: str | None, ref_text: str | None = None,
     return out
 
 
+def _read_stdin() -> str:
+    """All of standard input as UTF-8 text (for one request)."""
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ClientError(f"standard input is not UTF-8 (byte {e.start}): convert it, e.g. "
+                          "`iconv -t UTF-8`") from e
+    if not text.strip():
+        raise ClientError("--text-stdin: standard input held no text")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="omni-stream-client", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--text", required=True)
+    text = ap.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text")
+    text.add_argument("--text-stdin", action="store_true",
+                      help="read the text from standard input (all of it, unless --continuous)")
+    ap.add_argument("--continuous", action="store_true",
+                    help="speak the text as it is written, as one utterance (WebSocket text_mode "
+                         "continuous): with --text-stdin, a pipe from an LLM plays while the "
+                         "LLM writes")
     ap.add_argument("--voice", default=None)
     ap.add_argument("--language", default="auto")
     ap.add_argument("--seed", type=int, default=None)
@@ -173,15 +197,30 @@ def main(argv: list[str] | None = None) -> int:
                                        a.decoder_threads)
             except DecoderError as e:
                 raise ClientError(str(e)) from e
+        if a.continuous and decoder is not None:
+            raise ClientError("--continuous streams pcm: use --decoder-backend server")
+        text = a.text
+        if a.text_stdin and not a.continuous:
+            text = _read_stdin()
         player = None if a.out else _player()
         cb = (lambda x: player.write(x.reshape(-1, 1))) if player is not None else None
-        if decoder is None:
-            res = asyncio.run(stream_speech(a.url, a.text, a.voice, a.language, a.seed, a.model,
+        if a.continuous:
+            from clients.continuous import speak_continuous, stdin_pieces
+
+            async def go():
+                pieces = stdin_pieces() if a.text_stdin else [text]
+                return await speak_continuous(
+                    a.url, pieces, voice=a.voice, language=a.language, model=a.model,
+                    api_key=a.api_key, seed=a.seed, on_chunk=cb, extra=extra)
+
+            res = asyncio.run(go())
+        elif decoder is None:
+            res = asyncio.run(stream_speech(a.url, text, a.voice, a.language, a.seed, a.model,
                                             a.api_key, extra=extra, on_chunk=cb))
         else:
             from clients.codec_stream import stream_codes
 
-            res = asyncio.run(stream_codes(a.url, a.text, decoder, a.voice, a.language, a.seed,
+            res = asyncio.run(stream_codes(a.url, text, decoder, a.voice, a.language, a.seed,
                                            a.model, a.api_key, extra=extra, on_chunk=cb))
         for note in res.notes:
             print(f"omni-stream-client: note: {note}", file=sys.stderr)
@@ -195,10 +234,16 @@ def main(argv: list[str] | None = None) -> int:
                    underrun_s=round(pb.underrun_s, 3), max_gap_ms=round(pb.max_gap_s * 1e3, 1),
                    chunks=len(res.arrivals), decoder_backend=a.decoder_backend,
                    wire_bytes=res.wire_bytes)
+        waited = ""
+        if a.continuous:  # TTFA counts from the first text piece sent
+            fig.update(text_waited_ms=res.text_waited_ms, text_waits=len(
+                [w for w in res.waits if w.get("type") == "text.waiting"]),
+                utterances=len(res.utterances))
+            waited = f" | waited for text {fig['text_waited_ms']} ms"
         print(json.dumps(fig) if a.json else
               f"TTFA {fig['ttfa_ms']} ms | {fig['audio_s']} s audio | RTF {fig['rtf']} | "
               f"underruns {fig['underruns']} ({fig['underrun_s']} s) | max gap {fig['max_gap_ms']} ms"
-              + (f" -> {a.out}" if a.out else ""))
+              + waited + (f" -> {a.out}" if a.out else ""))
         return 0
     except ClientError as e:
         print(f"omni-stream-client: error: {e}", file=sys.stderr)

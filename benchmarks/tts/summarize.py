@@ -4,8 +4,8 @@ Reads every ``*.json`` under ``--results`` (default benchmarks/tts/results/) and
 
   SUMMARY.md    one section per file: known files (frame_bench, code2wav_bench, transport_bench,
                 fidelity_bench, attribution*, stream_latency*, official_compare,
-                cpu_thread_sweep, gpu_frame_bench) as purpose-made tables, anything else
-                flattened generically; the headline numbers of summary.json on top.
+                cpu_thread_sweep, gpu_frame_bench, continuous_text*) as purpose-made tables,
+                anything else flattened generically; the headline numbers of summary.json on top.
   summary.json  headline numbers, each taken from the newest file that holds it, with the
                 ``command`` that produced it (``commands``), where it came from (``sources``),
                 and, for a number that cannot be computed, null plus the reason (``missing``).
@@ -41,6 +41,12 @@ HEADLINE = ("speedup_vs_official_per_frame", "ttfa_ms_p50_c1_0_6b", "rtf_c1_0_6b
             "max_realtime_streams_cpu_0_6b", "logits_snr_db_quantized",
             "code0_agreement_quantized", "cp_agreement_quantized", "cold_start_s",
             "warm_start_s", "soak_frames", "soak_invalid_codes", "soak_gap_ms_p99", "soak_pass")
+# continuous_text*.json (benchmarks/tts/continuous_bench.py): text written at these LLM rates
+CONTINUOUS_RATES = (15, 30)
+CONTINUOUS_KEYS = tuple(f"{mode}_{what}_{rate}tps" for rate in CONTINUOUS_RATES
+                        for what in ("first_audio_ms_p50", "underruns")
+                        for mode in ("continuous", "sentences"))
+HEADLINE += CONTINUOUS_KEYS
 LOW_BIT = ("int8", "int4")
 
 
@@ -227,12 +233,23 @@ def r_gpu_frame(d: dict) -> str:
     return md
 
 
+def r_continuous_text(d: dict) -> str:
+    md = meta_line(d, ("label", "model", "server_args", "max_new_tokens", "prebuffer_s", "wall_s"))
+    md += ("An LLM writing at each rate (tokens/s); first audio is counted from the first text "
+           "piece sent; underruns are those of a real-time player started at the first audio; "
+           "waited is the time the continuous speech spent waiting for text.\n\n")
+    return md + dict_table(d["summaries"], [
+        "rate_tps", "mode", "n", "first_audio_ms_p50", "first_audio_ms_p95", "underruns",
+        "streams_with_underruns", "underrun_s", "text_waited_ms_p50", "rtf_mean", "audio_s_mean",
+        "utterances_mean"])
+
+
 RENDERERS: list[tuple[str, Callable[[dict], str]]] = [
     ("frame_bench*.json", r_frame_bench), ("code2wav_bench*.json", r_code2wav),
     ("transport_bench*.json", r_transport), ("fidelity_bench*.json", r_fidelity),
     ("attribution*.json", r_attribution), ("stream_latency*.json", r_stream_latency),
     ("official_compare*.json", r_official), ("cpu_thread_sweep*.json", r_thread_sweep),
-    ("gpu_frame_bench*.json", r_gpu_frame)]
+    ("gpu_frame_bench*.json", r_gpu_frame), ("continuous_text*.json", r_continuous_text)]
 
 
 def render(name: str, doc: Any) -> str:
@@ -428,6 +445,22 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
                             f"{decode_chunk} (chunks with both: {sorted(by_chunk)})")
     else:
         missing[key] = "no code2wav_bench.json"
+
+    # continuous text vs sentence mode while an LLM writes (continuous_bench.py)
+    ct = newest("continuous_text*.json")
+    if ct and isinstance(ct[1].get("summaries"), list):
+        for s in ct[1]["summaries"]:
+            rate, mode = f"{s['rate_tps']:g}", s["mode"]
+            how = (f"label {ct[1].get('label')!r}, model {ct[1].get('model')!r}, {mode} mode, "
+                   f"LLM at {rate} tokens/s, n = {s['n']}")
+            put(f"{mode}_first_audio_ms_p50_{rate}tps", s["first_audio_ms_p50"], ct[0], ct[1],
+                how + "; first text piece sent -> first audio")
+            put(f"{mode}_underruns_{rate}tps", s["underruns"], ct[0], ct[1],
+                how + f"; summed over streams, player prebuffer {ct[1].get('prebuffer_s')} s")
+    for k in CONTINUOUS_KEYS:
+        if values.get(k) is None and k not in sources:
+            missing[k] = (f"{ct[0]} has no row for this rate and mode" if ct else
+                          "no continuous_text*.json (benchmarks/tts/continuous_bench.py)")
 
     # real-time streams of the tiny model on CPU
     key = "max_realtime_streams_cpu_tiny"
