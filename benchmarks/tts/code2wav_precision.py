@@ -4,7 +4,11 @@ when one part of the decoder runs in bf16 (the rest fp32), and when all but one 
 Each part's parameters are cast to bf16 and its input cast to bf16 (its output back to fp32),
 so the table shows which parts would have to stay fp32 for a mixed-precision decode to reach a
 target SNR. One-pass decode of random codes (streamed output equals it, tested elsewhere).
-Prints a table, writes JSON.
+
+A second table streams the same codes twice in one dtype with two different chunk plans (the
+server's adaptive chunks and a client's are not the same): how close two decoders of equal
+numerics but different chunking can be, the ceiling for any client decoder matching the server.
+Prints the tables, writes JSON.
 
     python benchmarks/tts/code2wav_precision.py --model /tmp/ck-06b
 """
@@ -52,6 +56,21 @@ def _mixed(model_path: str, low: list[str]):
     return m
 
 
+PLAN_A = [1, 2, 4, 8, 8, 8, 8, 8, 8, 9]  # a first-chunk ramp, then the steady size
+PLAN_B = [2, 2, 6, 8, 8, 8, 8, 8, 8, 6]
+
+
+def _streamed(model, codes: torch.Tensor, plan: list[int]) -> torch.Tensor:
+    from omni_stream.models.code2wav import Code2WavStream
+
+    assert sum(plan) == codes.shape[2], "the chunk plans must cover --frames (64)"
+    s, out, t = Code2WavStream(model, 1), [], 0
+    for n in plan:
+        out.append(s.decode([0], codes[:, :, t:t + n])[0].float())
+        t += n
+    return torch.cat(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -75,10 +94,21 @@ def main() -> int:
         for part in PARTS:
             others = [p for p in PARTS if p != part]
             rows.append({"bf16": f"all but {part}", "snr_db": _snr(_mixed(a.model, others)(codes), ref)})
+        chunking = []
+        for dtype in (torch.float32, torch.bfloat16):
+            m = ref_model if dtype == torch.float32 else load_codec(a.model, dtype=dtype)
+            x, y = _streamed(m, codes, PLAN_A), _streamed(m, codes, PLAN_B)
+            chunking.append({"dtype": str(dtype).removeprefix("torch."), "plans": [PLAN_A, PLAN_B],
+                             "snr_db_between_plans": _snr(y, x),
+                             "snr_db_plan_a_vs_fp32": _snr(x, ref[0])})
     print(f"{'parts in bf16 (rest fp32)':<40} audio SNR vs fp32 dB")
     for r in rows:
         print(f"{r['bf16']:<40} {r['snr_db']:6.1f}")
+    print(f"\n{'streamed, two chunk plans':<26} {'between plans dB':>16} {'plan A vs fp32 dB':>18}")
+    for r in chunking:
+        print(f"{r['dtype']:<26} {r['snr_db_between_plans']:>16.1f} {r['snr_db_plan_a_vs_fp32']:>18.1f}")
     doc = {"model": a.model, "frames": a.frames, "seed": a.seed, "rows": rows,
+           "chunking": chunking,
            "command": "python benchmarks/tts/code2wav_precision.py " + " ".join(sys.argv[1:])}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")
