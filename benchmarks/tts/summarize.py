@@ -47,6 +47,10 @@ CONTINUOUS_KEYS = tuple(f"{mode}_{what}_{rate}tps" for rate in CONTINUOUS_RATES
                         for what in ("first_audio_ms_p50", "underruns")
                         for mode in ("continuous", "sentences"))
 HEADLINE += CONTINUOUS_KEYS
+# voice_clone*.json (benchmarks/tts/voice_clone_bench.py): registering a voice, first audio with it
+CLONE_KEYS = ("voice_register_s_10s_0_6b", "ttfa_ms_p50_default_voice_0_6b_base",
+              "ttfa_ms_p50_clone_x_vector_0_6b", "ttfa_ms_p50_clone_icl_0_6b")
+HEADLINE += CLONE_KEYS
 LOW_BIT = ("int8", "int4")
 
 
@@ -233,6 +237,16 @@ def r_gpu_frame(d: dict) -> str:
     return md
 
 
+def r_voice_clone(d: dict) -> str:
+    md = meta_line(d, ("model", "ref_seconds", "ref_frames", "max_new_tokens", "serve_args"))
+    r = d["register_s"]
+    md += (f"Registering a {d['ref_seconds']:g} s voice (ICL): first {r['first']:.2f} s (loads "
+           f"the encoders), then median {r['warm_median']:.2f} s (n = {r['warm_n']}); x-vector "
+           f"only {r['x_vector_only']:.2f} s.\n\n")
+    rows = [dict(voice=k, **v) for k, v in d["kinds"].items()]
+    return md + dict_table(rows, ["voice", "n", "ttfa_ms_p50", "ttfa_ms_p95", "rtf_p50"])
+
+
 def r_continuous_text(d: dict) -> str:
     md = meta_line(d, ("label", "model", "server_args", "max_new_tokens", "prebuffer_s", "wall_s"))
     md += ("An LLM writing at each rate (tokens/s); first audio is counted from the first text "
@@ -249,7 +263,8 @@ RENDERERS: list[tuple[str, Callable[[dict], str]]] = [
     ("transport_bench*.json", r_transport), ("fidelity_bench*.json", r_fidelity),
     ("attribution*.json", r_attribution), ("stream_latency*.json", r_stream_latency),
     ("official_compare*.json", r_official), ("cpu_thread_sweep*.json", r_thread_sweep),
-    ("gpu_frame_bench*.json", r_gpu_frame), ("continuous_text*.json", r_continuous_text)]
+    ("gpu_frame_bench*.json", r_gpu_frame), ("continuous_text*.json", r_continuous_text),
+    ("voice_clone*.json", r_voice_clone)]
 
 
 def render(name: str, doc: Any) -> str:
@@ -461,6 +476,27 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
         if values.get(k) is None and k not in sources:
             missing[k] = (f"{ct[0]} has no row for this rate and mode" if ct else
                           "no continuous_text*.json (benchmarks/tts/continuous_bench.py)")
+
+    # voice cloning on a Base checkpoint (voice_clone_bench.py)
+    vc = newest("voice_clone*.json")
+    if vc and isinstance(vc[1].get("kinds"), dict):
+        d = vc[1]
+        reg = d.get("register_s", {})
+        put("voice_register_s_10s_0_6b", reg.get("warm_median"), vc[0], d,
+            f"POST /v1/audio/voices of a {d.get('ref_seconds')} s clip in ICL mode, median of "
+            f"n = {reg.get('warm_n')} after the first (which also loads the encoders: "
+            f"{reg.get('first', 0):.2f} s); x-vector only {reg.get('x_vector_only', 0):.2f} s")
+        for kind, key in (("default", "ttfa_ms_p50_default_voice_0_6b_base"),
+                          ("x_vector", "ttfa_ms_p50_clone_x_vector_0_6b"),
+                          ("icl", "ttfa_ms_p50_clone_icl_0_6b")):
+            k = d["kinds"].get(kind)
+            if k:
+                put(key, k["ttfa_ms_p50"], vc[0], d,
+                    f"{kind} voice, n = {k['n']}, interleaved with the other kinds, "
+                    f"max_new_tokens {d.get('max_new_tokens')}; p95 {k['ttfa_ms_p95']:.0f} ms")
+    for k in CLONE_KEYS:
+        if values.get(k) is None and k not in sources:
+            missing[k] = "no voice_clone*.json (benchmarks/tts/voice_clone_bench.py)"
 
     # real-time streams of the tiny model on CPU
     key = "max_realtime_streams_cpu_tiny"
