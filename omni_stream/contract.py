@@ -25,7 +25,6 @@ from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 import numpy as np
 
 from omni_stream.scheduling.admission import TOO_LARGE, Rejected
-from omni_stream.voices.clone import VoiceClone
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
 FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
@@ -80,7 +79,7 @@ class SpeechJob:
     initial_chunk_frames: int | None = None  # size of the first chunk; None: the backend's schedule
     # a cloned voice (Base models: an uploaded voice or the request's ref_audio); ``voice`` is
     # then None and ``voice_label`` names it for logs and session descriptions
-    clone: "VoiceClone | None" = None
+    clone: Any = None  # models.voice_clone.VoiceClone
     voice_label: str | None = None
     # continuous text (WebSocket text_mode "continuous"): the text arrives while the utterance
     # is spoken; ``text`` is then empty and the backend reads the feed until it closes

@@ -13,7 +13,7 @@ LAYERS = [
     {"server"},
     {"orchestrator"},
     {"stages"},
-    {"export", "edge"},
+    {"export", "edge", "voices"},
     {"evaluation"},
     {"engine"},
     {"checkpoints"},

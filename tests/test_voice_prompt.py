@@ -14,7 +14,7 @@ from omni_stream.engine.synthesis import Synthesizer
 from omni_stream.models.prompt import PromptBuilder, PromptError, PromptRequest, ref_text
 from omni_stream.transport import CloneSpec, StreamStart
 from omni_stream.scheduling.chunking import ChunkPolicy
-from omni_stream.voices.clone import CODEC_CONTEXT_FRAMES, VoiceClone
+from omni_stream.models.voice_clone import CODEC_CONTEXT_FRAMES, VoiceClone
 
 TEXT = "Good morning, this is a cloned voice."
 REF = "The quick brown fox jumps over the lazy dog."
@@ -116,7 +116,8 @@ def test_clone_requests_that_cannot_work_are_refused(base, builder, tiny_model):
 
 def test_clone_spec_and_prime_round_trip(base):
     for c in (_clone(base), _clone(base, frames=None), _clone(base, frames=60)):
-        back = CloneSpec.of(c).to_clone()
+        spec = CloneSpec.of(c)
+        back = VoiceClone(*spec.arrays(), spec.ref_text)
         assert np.array_equal(back.x_vector, c.x_vector) and back.ref_text == c.ref_text
         assert (back.ref_codes is None) == (c.ref_codes is None)
         if c.ref_codes is not None:
@@ -129,7 +130,7 @@ def test_clone_spec_and_prime_round_trip(base):
         else:
             assert c.prime_codes() is None
     with pytest.raises(ValueError, match="byte lengths"):
-        CloneSpec(b"\0" * 5).to_clone()
+        CloneSpec(b"\0" * 5).arrays()
     with pytest.raises(ValueError, match="whole number"):
         StreamStart(ChunkPolicy(), prime_codes=b"\0" * 24).prime(16)
 

@@ -19,7 +19,7 @@ from omni_stream.voices import audio as audio_mod
 from omni_stream.voices import store as store_mod
 from omni_stream.voices.audio import (MAX_SECONDS, MAX_UPLOAD_BYTES, VoiceError, decode_audio,
                                       decode_ref_audio_field)
-from omni_stream.voices.clone import VoiceClone
+from omni_stream.models.voice_clone import VoiceClone
 from omni_stream.voices.store import VoiceStore, default_voice_dir, validate_name
 
 pytestmark = pytest.mark.timeout(120)

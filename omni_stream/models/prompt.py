@@ -7,7 +7,7 @@ Layout (CustomVoice, explicit language, text given all at once):
 Every position is the sum of its text-track and codec-track embeddings. In text-streaming mode
 only t1 (+ codec bos) is in the prompt; t2..tn, tts_eos are added to the first decode steps.
 
-Cloned voices (Base, ``omni_stream.voices.clone.VoiceClone``): the x-vector takes the speaker
+Cloned voices (Base, ``omni_stream.models.voice_clone.VoiceClone``): the x-vector takes the speaker
 slot of the codec prefix. In ICL mode the reference follows the head instead of the first text
 token: text track ``r1 .. rm t1 .. tn tts_eos`` (the reference transcript, then the text),
 codec track ``bos f1 .. fk`` (fi = the sum of the 16 codebook embeddings of reference frame i).
@@ -25,7 +25,7 @@ import torch
 from omni_stream.config import ModelConfig
 from omni_stream.models.talker import Talker
 from omni_stream.models.text_tokenizer import TextTokenizer
-from omni_stream.voices.clone import VoiceClone
+from omni_stream.models.voice_clone import VoiceClone
 
 
 class PromptError(ValueError):

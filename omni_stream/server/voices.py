@@ -27,7 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from omni_stream.server.errors import ApiError
-from omni_stream.voices.clone import VoiceClone
+from omni_stream.models.voice_clone import VoiceClone
 
 log = logging.getLogger(__name__)
 

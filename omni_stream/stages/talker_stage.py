@@ -33,6 +33,7 @@ import torch
 from omni_stream.checkpoints.io import LoadedModel
 from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
+from omni_stream.models.voice_clone import VoiceClone
 from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.throttle import Action
@@ -159,7 +160,7 @@ class TalkerStage:
         if not self.sched.free_slots():
             return False
         msg, p = st.request, st.request.prompt
-        clone = p.clone.to_clone() if p.clone is not None else None
+        clone = VoiceClone(*p.clone.arrays(), p.clone.ref_text) if p.clone is not None else None
         text_ids = None
         if p.continuous:  # the text so far, with what arrived since the AddStream
             text_ids = tuple(p.text_ids or ()) + tuple(st.new_ids)

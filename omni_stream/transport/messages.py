@@ -28,7 +28,6 @@ import numpy as np
 from omni_stream.config import SamplingParams
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.scheduling.limits import FrameCap
-from omni_stream.voices.clone import VoiceClone
 
 
 def _check_stream_id(stream_id: int) -> None:
@@ -46,19 +45,21 @@ class CloneSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ref_text: str | None = None
 
     @classmethod
-    def of(cls, clone: VoiceClone) -> "CloneSpec":
+    def of(cls, clone) -> "CloneSpec":
+        """The wire form of a ``models.voice_clone.VoiceClone``."""
         codes = b"" if clone.ref_codes is None else clone.ref_codes.astype("<i8").tobytes()
         g = 16 if clone.ref_codes is None else int(clone.ref_codes.shape[1])
         return cls(clone.x_vector.astype("<f4").tobytes(), codes, g, clone.ref_text)
 
-    def to_clone(self) -> VoiceClone:
-        """The VoiceClone again; ValueError if the bytes do not make one."""
+    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(x-vector float32 [C], reference codes int64 [frames, G] or None); ValueError if the
+        bytes do not make them."""
         if len(self.x_vector) % 4 or self.codebooks < 1 or len(self.ref_codes) % (8 * self.codebooks):
             raise ValueError("a CloneSpec's byte lengths do not match its element types")
         xv = np.frombuffer(self.x_vector, dtype="<f4")
         codes = (np.frombuffer(self.ref_codes, dtype="<i8").reshape(-1, self.codebooks)
                  if self.ref_codes else None)
-        return VoiceClone(xv, codes, self.ref_text)
+        return xv, codes
 
 
 class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

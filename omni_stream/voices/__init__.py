@@ -1,6 +1,7 @@
-"""Cloned voices (Base variant): reference audio in, a prompt's speaker slot and reference codes out.
+"""Cloned voices (Base variant) around the models: reference audio in, a stored voice out.
 
-- ``clone.VoiceClone``: what a cloned voice puts into a prompt (x-vector, reference codes and
-  transcript), shared by the encoder that makes it, the store that keeps it and the prompt
-  builder that uses it.
+- ``audio.py``: uploaded bytes -> mono audio, with the 4xx a bad clip deserves.
+- ``encode.py``: audio -> ``models.voice_clone.VoiceClone`` (speaker and tokenizer encoders).
+- ``store.py``: uploaded voices on disk, per model, surviving restarts.
+- ``cli.py``: ``omni-stream voices add|list|delete`` against a running server.
 """

@@ -20,7 +20,7 @@ import soxr
 import torch
 
 from omni_stream.checkpoints.io import load_speaker_encoder, load_speech_encoder
-from omni_stream.voices.clone import VoiceClone
+from omni_stream.models.voice_clone import VoiceClone
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from safetensors.numpy import save as st_save
 
 from omni_stream.checkpoints.default import cache_dir
 from omni_stream.voices.audio import VoiceError
-from omni_stream.voices.clone import VoiceClone
+from omni_stream.models.voice_clone import VoiceClone
 
 __all__ = ["VoiceStore", "VoiceRecord", "validate_name", "default_voice_dir",
            "MAX_VOICES", "MAX_NAME_LEN", "FORMAT_VERSION"]
