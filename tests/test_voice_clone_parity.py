@@ -27,6 +27,7 @@ from omni_stream.checkpoints.io import load_model
 from omni_stream.engine.sampling import SamplingParams
 from omni_stream.engine.synthesis import Synthesizer
 from omni_stream.models.prompt import PromptRequest
+from omni_stream.voices.synthetic import voiced_clip
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("OMNI_STREAM_SKIP_REFERENCE") == "1",
@@ -56,17 +57,6 @@ def refpy() -> Path:
     return ensure_reference_env()
 
 
-def _clip(path: Path, sr: int, seconds: float, seed: int) -> None:
-    """A voiced, speech-like clip (gliding harmonics under a syllable envelope, plus noise)."""
-    g = np.random.default_rng(seed)
-    t = np.arange(int(seconds * sr)) / sr
-    f0 = 110 + 25 * np.sin(2 * np.pi * 0.9 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / sr
-    wav = sum(np.sin(k * phase) / k for k in range(1, 9)) * np.clip(np.sin(2 * np.pi * 3.3 * t), 0, None)
-    wav = 0.3 * wav / np.abs(wav).max() + 0.01 * g.standard_normal(t.size)
-    sf.write(path, wav.astype(np.float32), sr, subtype="PCM_16")
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cloned_voice_greedy_codes_identical(shape, ckpt_factory, refpy, tmp_path):
     from omni_stream.voices.encode import VoiceEncoder
@@ -76,7 +66,7 @@ def test_cloned_voice_greedy_codes_identical(shape, ckpt_factory, refpy, tmp_pat
     requests = []
     for i, (rid, sr, xvec, nonstream) in enumerate(cases):
         clip = tmp_path / f"{rid}.wav"
-        _clip(clip, sr, 3.37 + i, seed=i)  # lengths that are not whole frames
+        sf.write(clip, voiced_clip(3.37 + i, sr, seed=i), sr, subtype="PCM_16")  # not whole frames
         requests.append(dict(id=rid, ref_audio=str(clip), ref_text=None if xvec else REF_TEXT,
                              x_vector_only=xvec, text=TEXT, language="english",
                              non_streaming_mode=nonstream, max_new_tokens=FRAMES + 1))

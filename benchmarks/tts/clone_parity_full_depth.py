@@ -32,16 +32,6 @@ TEXT = "Good morning! This sentence is spoken in a cloned voice at the full dept
 REF_TEXT = "This is how I sound when I read a short passage out loud."
 
 
-def _clip(path: Path, sr: int, seconds: float) -> None:
-    g = np.random.default_rng(0)
-    t = np.arange(int(seconds * sr)) / sr
-    f0 = 110 + 25 * np.sin(2 * np.pi * 0.9 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / sr
-    wav = sum(np.sin(k * phase) / k for k in range(1, 9)) * np.clip(np.sin(2 * np.pi * 3.3 * t), 0, None)
-    wav = 0.3 * wav / np.abs(wav).max() + 0.01 * g.standard_normal(t.size)
-    sf.write(path, wav.astype(np.float32), sr, subtype="PCM_16")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +45,7 @@ def main() -> int:
     from omni_stream.engine.synthesis import Synthesizer
     from omni_stream.models.prompt import PromptRequest
     from omni_stream.voices.encode import VoiceEncoder
+    from omni_stream.voices.synthetic import voiced_clip
     from tests.reference.refenv import ensure_reference_env
 
     torch.set_num_threads(a.threads)
@@ -65,7 +56,7 @@ def main() -> int:
     depth = (cfg.talker.lm.num_hidden_layers, cfg.talker.code_predictor.num_hidden_layers)
     print(f"checkpoint {ck}: talker {depth[0]} layers, code predictor {depth[1]} layers", flush=True)
     clip = tmp / "ref.wav"
-    _clip(clip, 24000, 6.3)
+    sf.write(clip, voiced_clip(6.3, 24000), 24000, subtype="PCM_16")
     reqs = [dict(id=rid, ref_audio=str(clip), ref_text=None if xvec else REF_TEXT,
                  x_vector_only=xvec, text=TEXT, language="english", non_streaming_mode=False,
                  max_new_tokens=a.frames + 1) for rid, xvec in (("icl", False), ("xvec", True))]
