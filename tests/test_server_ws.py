@@ -363,3 +363,37 @@ def test_oversized_message_closes_with_1009():
 
     msg, code = arun(main())
     assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and code == 1009
+
+
+def test_continuous_text_mode_on_the_fake_backend():
+    """text_mode continuous: pieces (split mid-word) make one utterance, closed by input.done;
+    the next input.text starts the next one; a bad text_mode is refused by name."""
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "text_mode": "lines"})
+            ev = await ws.receive_json()
+            assert ev["type"] == "error" and ev["error"]["param"] == "text_mode"
+            await ws.send_json({"type": "session.config", "text_mode": "continuous"})
+            assert (await ws.receive_json())["session"]["text_mode"] == "continuous"
+            for piece in ("Hel", "lo the", "re. And mo", "re text"):
+                await ws.send_json({"type": "input.text", "text": piece})
+            await ws.send_json({"type": "input.done"})
+            await ws.send_json({"type": "input.text", "text": "Second one."})
+            await ws.send_json({"type": "session.close"})
+            starts, done = [], 0
+            while True:
+                msg = await ws.receive()
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                ev = json.loads(msg.data)
+                if ev["type"] == "audio.start":
+                    starts.append(ev)
+                elif ev["type"] == "audio.done":
+                    done += 1
+                elif ev["type"] == "session.done":
+                    break
+            return starts, done
+
+    starts, done = arun(main())
+    assert done == 2 and len(starts) == 2
+    assert all(s["text_mode"] == "continuous" for s in starts)

@@ -19,6 +19,7 @@ import itertools
 import math
 import sys
 import zlib
+from dataclasses import replace
 from typing import Any, AsyncGenerator
 
 import numpy as np
@@ -89,6 +90,7 @@ class FakeBackend:
                              f"got {max_queue} and {queue_timeout}")
         self.model_name = model_name
         self.variant = "custom_voice"  # named voices; cannot clone (no Base encoders)
+        self.text_idle_timeout_s = 30.0  # continuous text, as PipelineSettings
         self.sample_rate = sample_rate
         self.supports_instructions = supports_instructions
         self.supports_codec_frames = supports_codec_frames
@@ -163,12 +165,34 @@ class FakeBackend:
     async def close(self) -> None:
         self.running = False
 
+    async def _read_feed(self, job: SpeechJob) -> SpeechJob | None:
+        """The job with its whole continuous text, or None after an idle timeout."""
+        parts = []
+        while True:
+            try:
+                piece = await job.text_feed.next(self.text_idle_timeout_s)
+            except asyncio.TimeoutError:
+                return None
+            if piece is None:
+                break
+            parts.append(piece)
+        text = "".join(parts)
+        if not text.strip():
+            raise BackendError(400, "empty_input", "the utterance closed without text: send "
+                               "input.text before input.done", param="text")
+        return replace(job, text=text, text_feed=None)
+
     async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
         self.validate(job)
         if self.reject is not None:
             raise self.reject
         if not self.running or self.adm is None:
             raise BackendError(503, "unavailable", "backend is not running", retry_after=1.0)
+        if job.text_feed is not None:  # continuous text: the fake speaks it once it is closed
+            job = await self._read_feed(job)
+            if job is None:
+                raise BackendError(408, "text_timeout", f"no text for {self.text_idle_timeout_s:g}"
+                                   " s: send input.done to close the utterance")
         sid = next(self._ids)
         try:  # as PipelineBackend.stream: 429 queue full, 503 deadline, Retry-After from adm
             await self.adm.acquire(sid, 1, self.queue_timeout)
