@@ -34,6 +34,33 @@ def cmd_make_checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
+def _clone_from_args(a: argparse.Namespace, variant: str):
+    """The VoiceClone of ``--ref-audio`` (None without it); SystemExit naming the fix."""
+    if a.ref_audio is None:
+        if a.ref_text or a.x_vector_only:
+            raise SystemExit("omni-stream synthesize: --ref-text / --x-vector-only go with "
+                             "--ref-audio FILE")
+        return None
+    if variant != "base":
+        raise SystemExit(f"omni-stream synthesize: a {variant} checkpoint cannot clone voices: "
+                         "use a Base checkpoint")
+    if not a.x_vector_only and not (a.ref_text or "").strip():
+        raise SystemExit("omni-stream synthesize: --ref-audio needs --ref-text (its transcript) "
+                         "for ICL cloning, or --x-vector-only")
+    from pathlib import Path
+
+    from omni_stream.checkpoints.default import resolve_model_path
+    from omni_stream.voices.audio import VoiceError, decode_audio
+    from omni_stream.voices.encode import VoiceEncoder
+
+    try:
+        wav, sr = decode_audio(Path(a.ref_audio).read_bytes(), param="--ref-audio")
+    except (OSError, VoiceError) as e:
+        raise SystemExit(f"omni-stream synthesize: --ref-audio {a.ref_audio}: {e}") from None
+    return VoiceEncoder(resolve_model_path(a.model)).encode(
+        wav, sr, ref_text=None if a.x_vector_only else a.ref_text, x_vector_only=a.x_vector_only)
+
+
 def cmd_synthesize(a: argparse.Namespace) -> int:
     import numpy as np
     import soundfile as sf
@@ -52,8 +79,11 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
         compile_engine(synth.engine)
         took = warm_up(synth.engine)
         print(f"compiled decoder steps in {took:.1f} s: {compile_stats()}")
+    clone = _clone_from_args(a, synth.model.config.variant)
     req = PromptRequest(text=a.text, language=a.language, speaker=a.voice,
-                        instructions=a.instructions, stream_text=a.stream_text)
+                        instructions=a.instructions, clone=clone,
+                        # the official clone path streams the text
+                        stream_text=a.stream_text or clone is not None)
     params = SamplingParams.greedy() if a.greedy else SamplingParams()
     t0 = time.perf_counter()
     res = synth.synthesize(req, params, seed=a.seed, max_frames=a.max_frames)
@@ -274,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the decoder steps (cached across runs)")
     s.add_argument("--engine", choices=ENGINES, default="torch",
                    help="what runs the decode step: torch ops, or the native CPU runtime")
+    s.add_argument("--ref-audio", default=None, metavar="FILE",
+                   help="clone the voice of this clip (Base checkpoints; wav/flac/ogg/mp3)")
+    s.add_argument("--ref-text", default=None, help="the clip's transcript (ICL cloning)")
+    s.add_argument("--x-vector-only", action="store_true",
+                   help="clone from the speaker embedding alone (no --ref-text)")
     s.add_argument("--out", default=None, help="output wav path")
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)

@@ -169,3 +169,32 @@ def test_primed_decoder_state_moves_between_slots(base):
         fresh.decode([0], prime)
         c = fresh.decode([0], speech)
     assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_synthesize_cli_clones_from_a_file(ckpt_factory, tmp_path):
+    """`omni-stream synthesize --ref-audio` speaks the codes offline synthesis gives for the same
+    voice; misuse exits with a message naming the fix."""
+    import soundfile as sf
+
+    from omni_stream.cli import main as cli_main
+    from omni_stream.voices.encode import VoiceEncoder
+    from omni_stream.voices.synthetic import voiced_clip
+
+    ck = ckpt_factory("tiny", "base", 3)
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, voiced_clip(2.5, 16000), 16000, subtype="PCM_16")
+    out = tmp_path / "codes.npy"
+    assert cli_main(["synthesize", "--model", str(ck), "--text", TEXT, "--language", "english",
+                     "--ref-audio", str(ref), "--ref-text", REF, "--greedy", "--max-frames", "8",
+                     "--codes-out", str(out)]) == 0
+    wav, sr = sf.read(ref, dtype="float32")
+    clone = VoiceEncoder(ck).encode(wav, sr, ref_text=REF)
+    codes, _, _ = Synthesizer.from_path(ck).generate_codes(
+        PromptRequest(text=TEXT, language="english", clone=clone, stream_text=True),
+        SamplingParams.greedy(), 0, 8)
+    assert np.array_equal(np.load(out), codes)
+    for argv, match in ((["--ref-audio", str(ref)], "--ref-text"),
+                        (["--ref-text", REF], "--ref-audio"),
+                        (["--ref-audio", str(tmp_path / "none.wav"), "--x-vector-only"], "none.wav")):
+        with pytest.raises(SystemExit, match=match):
+            cli_main(["synthesize", "--model", str(ck), "--text", TEXT, *argv])
