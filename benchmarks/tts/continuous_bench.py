@@ -32,14 +32,13 @@ import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import AsyncIterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tts.stream_latency_bench import pct, server  # noqa: E402
+from benchmarks.tts.stream_latency_bench import first_voice, pct, server  # noqa: E402
 from clients.continuous import ContinuousResult, speak_continuous  # noqa: E402
 from clients.result import ClientError  # noqa: E402
 from omni_stream.server.ws import split_sentences  # noqa: E402
@@ -172,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         with ctx as url:
-            with urllib.request.urlopen(url + "/v1/audio/voices", timeout=10) as r:
-                voices = [v["name"] if isinstance(v, dict) else v
-                          for v in json.load(r).get("voices", [])]
-            voice = args.voice or (voices[0] if voices else None)
+            voice = args.voice or first_voice(url)
             rows = asyncio.run(run_all(url, rates, voice, args))
     except ClientError as e:
         print(f"benchmark failed: {e}", file=sys.stderr)

@@ -59,6 +59,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_voice(url: str) -> str | None:
+    """The server's first voice (None: the model has none), the benchmarks' default voice."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/audio/voices", timeout=10) as r:
+        voices = [v["name"] if isinstance(v, dict) else v for v in json.load(r).get("voices", [])]
+    return voices[0] if voices else None
+
+
 @contextlib.contextmanager
 def server(model: str, extra: list[str], log_path: Path):
     port = free_port()
@@ -164,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     results, summaries = {}, []
     try:
         with ctx as url:
-            import urllib.request
-
-            with urllib.request.urlopen(url + "/v1/audio/voices", timeout=10) as r:
-                voices = [v["name"] if isinstance(v, dict) else v for v in json.load(r).get("voices", [])]
-            voice = args.voice or (voices[0] if voices else None)
+            voice = args.voice or first_voice(url)
             with Progress() as prog:
                 for c in levels:
                     n = max(c, args.requests_per_level)

@@ -80,6 +80,11 @@ def ref_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n"
 
 
+def ref_ids(tok: TextTokenizer, text: str) -> list[int]:
+    """The text-track ids of an ICL reference transcript (without the role and <|im_end|>)."""
+    return tok.encode(ref_text(text))[3:-2]
+
+
 class PromptBuilder:
     def __init__(self, cfg: ModelConfig, talker: Talker, tokenizer: TextTokenizer) -> None:
         self.cfg = cfg
@@ -215,9 +220,8 @@ class PromptBuilder:
         clone = req.clone
         assert clone is not None and clone.ref_codes is not None and clone.ref_text
         sp = self.cfg.talker.special
-        ref_ids = self.tok.encode(ref_text(clone.ref_text))[3:-2]
         end = tts_eos[:0] if req.text_open else tts_eos
-        text = torch.cat((temb(ref_ids + text_ids), end))  # [Lt, C]
+        text = torch.cat((temb(ref_ids(self.tok, clone.ref_text) + text_ids), end))  # [Lt, C]
         dev = text.device
         codes = torch.as_tensor(clone.ref_codes, dtype=torch.long, device=dev)  # [F, G]
         t = self.talker

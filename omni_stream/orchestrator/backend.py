@@ -24,7 +24,7 @@ from typing import AsyncGenerator
 from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
-from omni_stream.models.prompt import assistant_text, instruct_text, ref_text
+from omni_stream.models.prompt import assistant_text, instruct_text, ref_ids
 from omni_stream.models.text_stream import IncrementalTokenizer
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
@@ -96,7 +96,7 @@ class PipelineBackend:
             n += len(self.tokenizer.encode(instruct_text(job.instructions)))
         c = job.clone
         if c is not None and c.icl:  # the reference transcript and frames come first
-            n += len(self.tokenizer.encode(ref_text(c.ref_text))) + len(c.ref_codes)
+            n += len(ref_ids(self.tokenizer, c.ref_text)) + len(c.ref_codes)
         return n
 
     # ------------------------------------------------------------------ Backend API
@@ -181,7 +181,7 @@ class PipelineBackend:
         need = 1
         c = job.clone
         if c is not None and c.icl:  # ref + text (no eos yet) must be longer than bos + frames
-            need = max(1, len(c.ref_codes) + 1 - len(self.tokenizer.encode(ref_text(c.ref_text))[3:-2]) + 1)
+            need = max(1, len(c.ref_codes) + 2 - len(ref_ids(self.tokenizer, c.ref_text)))
         ids: list[int] = []
         while len(ids) < need and not tok.closed:
             ids += await self._next_ids(job, tok)

@@ -18,7 +18,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -101,20 +101,24 @@ def voice_aliases(backend_voices: list[str]) -> dict[str, str | None]:
     return {a: (backend_voices[i % n] if n else None) for i, a in enumerate(OPENAI_VOICES)}
 
 
+def voice_name(voice: Union[str, VoiceRef, None]) -> str | None:
+    return None if voice is None else (voice.id if isinstance(voice, VoiceRef) else voice).strip()
+
+
 def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str],
-                  uploaded: list[str] = ()) -> str | None:
-    """The backend voice ``voice`` names (any case; OpenAI names as aliases), an uploaded
-    voice's own name (``uploaded``), or None for the default."""
+                  uploaded: Callable[[], list[str]] = list) -> str | None:
+    """The backend voice ``voice`` names (any case; OpenAI names as aliases), or None for the
+    default. ``uploaded()`` (the uploaded voices' names) is only read to word the error."""
     if voice is None:
         return None
-    name = (voice.id if isinstance(voice, VoiceRef) else voice).strip()
+    name = voice_name(voice)
     key = name.lower()
-    for v in (*backend_voices, *uploaded):
+    for v in backend_voices:
         if v.lower() == key:
             return v
     if key in OPENAI_VOICES:
         return voice_aliases(backend_voices)[key]
-    own = ", ".join([*backend_voices, *uploaded]) or "(none: the model has no preset speakers)"
+    own = ", ".join([*backend_voices, *uploaded()]) or "(none: the model has no preset speakers)"
     raise ApiError(400, f"unknown voice '{name}': use one of {own}, or an OpenAI voice name "
                    f"({', '.join(OPENAI_VOICES)})", code="invalid_voice", param="voice")
 
@@ -279,9 +283,11 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
     if instructions is not None:
         check_text(instructions, settings, "instructions")
     check_task_type(opts.task_type, getattr(backend, "variant", None))
-    uploaded = voices.uploaded_names() if voices is not None else []
-    voice = resolve_voice(opts.voice, backend.voices(), uploaded)
-    clone = label = None
+    # an uploaded voice (names never collide with built-in ones) before the OpenAI aliases
+    rec = voices.lookup(voice_name(opts.voice)) if voices is not None and opts.voice else None
+    voice = None if rec is not None else resolve_voice(
+        opts.voice, backend.voices(), voices.uploaded_names if voices is not None else list)
+    clone, label = (rec.clone, rec.name) if rec is not None else (None, None)
     if opts.ref_audio is None:
         for name, param in (("ref_text", opts.ref_text), ("x_vector_only", opts.x_vector_only)):
             if param is not None:
@@ -291,11 +297,6 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
     elif opts.voice is not None:
         raise ApiError(400, "send either 'voice' or 'ref_audio', not both: 'ref_audio' clones "
                        "the voice of the clip it carries", code="invalid_value", param="voice")
-    if voice is not None and voice in uploaded:
-        rec = voices.lookup(voice)
-        if rec is None:  # deleted between the two lookups
-            raise ApiError(400, f"unknown voice '{voice}'", code="invalid_voice", param="voice")
-        clone, label, voice = rec.clone, rec.name, None
     job = SpeechJob(text="", request_id="", voice=voice, clone=clone, voice_label=label,
                     language=(opts.language or "auto").strip().lower() or "auto",
                     instructions=instructions, seed=opts.seed, max_frames=opts.max_new_tokens,

@@ -38,8 +38,7 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 def _api(e: Exception) -> ApiError:
     """A VoiceError (status, code, param) as the server's ApiError."""
-    return ApiError(getattr(e, "status", 400), str(e), code=getattr(e, "code", "invalid_voice"),
-                    param=getattr(e, "param", None))
+    return ApiError(e.status, e.message, code=e.code, param=e.param)
 
 
 @dataclass(frozen=True)
@@ -155,9 +154,9 @@ def parse_bool(value: str | None, param: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- handlers
-async def _read_form(request: web.Request, max_bytes: int) -> tuple[dict[str, str], bytes | None,
-                                                                    str | None]:
-    """The multipart fields (text) and the ``audio`` file (bytes, filename)."""
+async def _read_form(request: web.Request,
+                     max_bytes: int) -> tuple[dict[str, str], bytes | None]:
+    """The multipart fields (text) and the ``audio`` file's bytes (None: no file)."""
     ctype = request.headers.get("Content-Type", "")
     if ctype.lower().startswith("application/x-www-form-urlencoded"):  # a form with no file
         raise ApiError(400, "no 'audio' file in the form: attach the reference clip as "
@@ -171,7 +170,6 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[dict[str, st
     reader = await request.multipart()
     fields: dict[str, str] = {}
     audio: bytes | None = None
-    filename = None
     known = {"audio", "name", "ref_text", "x_vector_only", "model"}
     while True:
         part = await reader.next()
@@ -192,10 +190,10 @@ async def _read_form(request: web.Request, max_bytes: int) -> tuple[dict[str, st
                     raise ApiError(413, f"the audio file is over {max_bytes >> 20} MiB: send a "
                                    "shorter clip (10-20 s of speech is plenty)",
                                    code="upload_too_large", param="audio")
-            audio, filename = bytes(buf), part.filename
+            audio = bytes(buf)
         else:
             fields[name] = (await part.text())
-    return fields, audio, filename
+    return fields, audio
 
 
 async def create_voice(request: web.Request) -> web.Response:
@@ -206,7 +204,7 @@ async def create_voice(request: web.Request) -> web.Response:
     st = request.app[STATE]
     svc: VoiceService = st.voices
     svc.require("audio")
-    fields, audio, _ = await _read_form(request, MAX_UPLOAD_BYTES)
+    fields, audio = await _read_form(request, MAX_UPLOAD_BYTES)
     try:
         name = validate_name(fields.get("name", ""))
     except VoiceError as e:

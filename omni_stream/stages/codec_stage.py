@@ -105,28 +105,25 @@ class CodecStage:
                 return
             try:
                 prime = start.prime(self.codebooks)
-                if prime is not None and self._check_frames(prime) is not None:
-                    raise ValueError(f"priming codes: {self._check_frames(prime)}")
+                problem = None if prime is None else self._check_frames(prime)
+                if problem is not None:
+                    raise ValueError(f"priming codes: {problem}")
             except ValueError as e:
                 self._error(sid, f"codec stage could not read the stream's start: {e}")
                 return
             slot = self.free.pop(0)
             self.dec.reset(slot)
+            self.streams[sid] = _Stream(slot, start.chunk, start.codes_only, start.input_tokens,
+                                        first_ns=m.enqueue_ns)
             if prime is not None:  # ICL voice: the reference as left context, not played
                 t0 = time.perf_counter()
                 try:
                     self._prime(slot, prime)
                 except Exception as e:  # this stream only
                     log.exception("stream %d: priming Code2Wav failed", sid)
-                    self.free.append(slot)
-                    self.free.sort()
-                    self.failed_total += 1
-                    self.failed.add(sid)
-                    self._error(sid, f"codec stage could not prime the cloned voice: {e}")
+                    self._fail(sid, f"codec stage could not prime the cloned voice: {e}")
                     return
                 stepstats.record("codec.prime", time.perf_counter() - t0)
-            self.streams[sid] = _Stream(slot, start.chunk, start.codes_only, start.input_tokens,
-                                        first_ns=m.enqueue_ns)
             return
         if sid in self.failed:  # already failed here: drop the rest quietly
             if m.kind == MsgKind.EVENT and m.flags & Flags.END:

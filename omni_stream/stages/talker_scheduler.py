@@ -113,7 +113,9 @@ class TalkerScheduler:
         return sum(s is None for s in self.slots)
 
     def busy(self) -> bool:
-        return bool(self.pending) or any(s is not None for s in self.slots)
+        """Work to do now: a prefill, or a stream in a slot that is not waiting for its text."""
+        return bool(self.pending) or any(s is not None and not (s.decoding and s.starved())
+                                         for s in self.slots)
 
     def head(self) -> StreamState | None:
         return self.pending[0] if self.pending else None

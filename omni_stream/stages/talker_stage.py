@@ -111,10 +111,7 @@ class TalkerStage:
         self._step = GraphedStep(self.engine, enabled=True).step
 
     def busy(self) -> bool:
-        """Work to do now: a prefill, or a decoding stream that is not waiting for its text."""
-        sc = self.sched
-        return bool(sc.pending) or any(s is not None and not (s.decoding and s.starved())
-                                       for s in sc.slots)
+        return self.sched.busy()
 
     def stats(self) -> dict[str, float]:
         sc = self.sched

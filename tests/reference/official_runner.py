@@ -183,6 +183,15 @@ def _warmup(w, req: dict) -> None:
     log(f"warm-up in {time.perf_counter() - t0:.2f} s")
 
 
+def _save(path: str, out: dict[str, np.ndarray], meta: dict) -> int:
+    """Write the arrays and the run's metadata (JSON under ``meta``) as one npz; exit code 0."""
+    out["meta"] = np.array(json.dumps(meta, default=str))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **out)
+    log(f"wrote {path}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     requests = json.loads(Path(args.requests).read_text())
     if isinstance(requests, dict):
@@ -292,11 +301,7 @@ def cmd_generate(args) -> int:
             out[f"wav_{rid}"] = np.asarray(wavs[0], dtype=np.float32)
             rmeta["sample_rate"] = sr
         meta["requests"][rid] = rmeta
-    out["meta"] = np.array(json.dumps(meta, default=str))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, **out)
-    log(f"wrote {args.out}")
-    return 0
+    return _save(args.out, out, meta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -729,11 +734,7 @@ def cmd_voice_prompt(args) -> int:
         meta["requests"][rid] = {"seconds": dt, "icl": bool(item.icl_mode)}
         log(f"{rid}: prompt in {dt:.2f} s"
             + (f", {item.ref_code.shape[0]} ref frames" if item.ref_code is not None else ""))
-    out["meta"] = np.array(json.dumps(meta, default=str))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, **out)
-    log(f"wrote {args.out}")
-    return 0
+    return _save(args.out, out, meta)
 
 
 def cmd_clone(args) -> int:
@@ -777,11 +778,7 @@ def cmd_clone(args) -> int:
         meta["requests"][rid] = {"frames": int(codes.shape[0]), "generate_s": dt,
                                  "gen_kwargs": gen_kwargs, "icl": bool(item.icl_mode)}
         log(f"{rid}: {codes.shape[0]} frames in {dt:.2f} s")
-    out["meta"] = np.array(json.dumps(meta, default=str))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, **out)
-    log(f"wrote {args.out}")
-    return 0
+    return _save(args.out, out, meta)
 
 
 # --------------------------------------------------------------------------------------------
