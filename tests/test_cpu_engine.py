@@ -170,6 +170,32 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
         torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
 
 
+def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):
+    """Where the CPU has AMX, q4 products of >= 16 rows run on int8 tiles: the same integer sums
+    and the same float epilogue as the VNNI kernel, so the same bits, at any row count (whole
+    tiles, a partial last tile) and with a bias. Elsewhere both builds are the VNNI kernel."""
+    from omni_stream.engine.cpu.build import FLAGS, build
+
+    flags = FLAGS + ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+    vnni = native._lib(str(build(tmp_path / "libvnni.so", flags)))
+    assert vnni.oc_has_amx() == 0
+    fast, ref = native.Pool(2), native.Pool(2, lib=vnni)
+    gen = torch.Generator().manual_seed(5)
+    b = torch.randn(80, generator=gen)
+    pk = native.pack_weight(torch.randn(80, 320, generator=gen) * 0.05, b, "q4")
+    for m in (15, 16, 17, 40, 64):
+        x = torch.randn(m, 320, generator=gen) * 3
+        x[m // 2] = 0.0  # an all-zero row (scale 1, sums 0)
+        ys = []
+        for p in (fast, ref):
+            y = torch.empty(m, 80)
+            p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), (m, float((ys[0] - ys[1]).abs().max()))
+        ref_y = x @ pk.dequantized().T + b
+        assert float((ys[0] - ref_y).norm() / ref_y.norm()) < 3e-2
+
+
 # ------------------------------------------------------------------------------ lent cores
 def test_lent_threads_never_change_the_codes(tiny_model):
     """A pool with a thread on a lent core gives the codes of one thread, whether the owner

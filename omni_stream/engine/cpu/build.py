@@ -93,4 +93,5 @@ if __name__ == "__main__":  # python -m omni_stream.engine.cpu.build: the instal
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = build()
     lib = ctypes.CDLL(str(path))
-    print(f"{path} (AVX-512 VNNI kernels: {'yes' if lib.oc_has_vnni() else 'no, scalar fallback'})")
+    print(f"{path} (AVX-512 VNNI kernels: {'yes' if lib.oc_has_vnni() else 'no, scalar fallback'}; "
+          f"AMX tiles: {'yes' if lib.oc_has_amx() else 'no'})")

@@ -91,6 +91,7 @@ def _lib(path: str | None = None) -> C.CDLL:
         lib.oc_lease_acquire.restype = C.c_int32
         lib.oc_lease_acquire.argtypes = [C.c_void_p, C.c_int64]
         lib.oc_lease_release.argtypes = [C.c_void_p]
+        lib.oc_has_amx.restype = C.c_int32
         lib._omni_typed = True
     return lib
 

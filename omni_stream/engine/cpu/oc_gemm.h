@@ -36,6 +36,11 @@ void quantize_rows(const float* x, int m, int k, int g, int8_t* x8, float* xs, i
   }
 }
 
+// Software prefetch distance of the weight stream (bytes ahead): one thread keeps more reads in
+// flight than the hardware prefetcher alone (~7% on a code-predictor sub-step, 1 thread).
+#ifndef OC_PF
+#define OC_PF 2048
+#endif
 #if OC_VNNI
 typedef int32_t __attribute__((may_alias, aligned(1))) i32a;  // 4 activation bytes as one word
 
@@ -60,6 +65,8 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
       for (int u = 0; u < A; u++) iacc[r][u] = _mm512_setzero_si512();
     const uint8_t* wp = wb + (int64_t)j * (g / 8) * 64;
     for (int kp = 0; kp < g / 8; kp += 2) {  // 2 loads = 4 k-quads = 16 inputs
+      _mm_prefetch((const char*)(wp + kp * 64 + OC_PF), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wp + (kp + 1) * 64 + OC_PF), _MM_HINT_T0);
       __m512i r0 = _mm512_loadu_si512((const void*)(wp + kp * 64));
       __m512i r1 = _mm512_loadu_si512((const void*)(wp + (kp + 1) * 64));
       // high nibbles are used in place (x16, folded back with >> 4 per group): no shifts
@@ -118,6 +125,87 @@ void q8_block(const OcLinear& L, const uint8_t* xu, const float* xs, int nb, flo
     __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sum128));
     _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, _mm512_mul_ps(a, _mm512_mul_ps(rs, _mm512_set1_ps(xs[r]))));
   }
+}
+#endif
+
+
+#if OC_AMX
+// ------------------------------------------------------------------------------ AMX (int8 tiles)
+// For products of many rows (a prefill, a batch of >= 16 streams) the q4 kernel runs on AMX
+// tiles: per block of 16 output rows and group of 64 inputs, one TDPBSUD multiplies 16
+// activation rows (signed bytes, read in place) by the group's weights (the nibbles unpacked to
+// bytes: one q4 k-quad of a block is exactly one 64-byte row of an AMX B tile), and the same
+// float epilogue as q4_block applies the group's scale and offset, so the result is bit for
+// bit the VNNI kernel's. Linux hands out the tile state on request (amx_enabled, once per
+// process); without it the VNNI kernel runs.
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_enabled() {
+  static const bool ok = [] {
+#if defined(__linux__)
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+// tmm0: B (16 k-quads x 16 rows x 4), tmm1: A (16 rows x 64 inputs), tmm2: C (16 x 16 int32)
+inline void amx_configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 3; t++) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// All m rows of x8 (stride k, padded with rows to whole tiles of 16) times block nb of a q4
+// product with groups of 64: each group's weights are unpacked once and multiplied by every
+// tile of rows; acc [>= m][16] holds the block's running sums.
+void q4_block_amx(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum,
+                  int m, int nb, float* acc, float* y, int ldy) {
+  const int k = L.k, ng = k / 64;
+  const uint8_t* wb = L.w + (int64_t)nb * (k / 8) * 64;
+  const uint16_t* sb = L.scales + (int64_t)nb * ng * 32;
+  alignas(64) uint8_t bt[16 * 64];
+  alignas(64) int32_t ct[16 * 16];
+  std::fill(acc, acc + (int64_t)m * 16, 0.f);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < ng; j++) {
+    const uint8_t* wp = wb + (int64_t)j * 8 * 64;
+    for (int p = 0; p < 8; p++) {  // pair p: k-quads 2p (low nibbles) and 2p + 1 (high)
+      __m512i v = _mm512_loadu_si512((const void*)(wp + p * 64));
+      _mm512_store_si512((void*)(bt + (2 * p) * 64), _mm512_and_si512(v, mask));
+      _mm512_store_si512((void*)(bt + (2 * p + 1) * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+    _tile_loadd(0, bt, 64);
+    __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
+    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
+    for (int r0 = 0; r0 < m; r0 += 16) {
+      _tile_loadd(1, x8 + (int64_t)r0 * k + j * 64, k);
+      _tile_zero(2);
+      _tile_dpbsud(2, 1, 0);
+      _tile_stored(2, ct, 64);
+      const int rows = std::min(16, m - r0);
+      for (int i = 0; i < rows; i++) {
+        const int r = r0 + i;
+        __m512 f = _mm512_loadu_ps(acc + r * 16);
+        __m512i a = _mm512_load_si512((const void*)(ct + i * 16));
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), f);
+        f = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), f);
+        _mm512_storeu_ps(acc + r * 16, f);
+      }
+    }
+  }
+  for (int r = 0; r < m; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, _mm512_loadu_ps(acc + r * 16));
 }
 #endif
 
@@ -199,6 +287,29 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       for (size_t i = 0; i < s.x8.size(); i++) s.x8[i] = (int8_t)(uint8_t)(s.x8[i] + 128);
 #endif
     const int nblocks = L.n / 16;
+#if OC_AMX
+    // many rows: AMX tiles (the activations padded with zero rows to whole tiles)
+    if (L.kind == 0 && L.group == 64 && m >= kAmxMinRows && amx_enabled()) {
+      const int mp = (m + 15) / 16 * 16;
+      s.x8.resize((size_t)mp * L.k, 0);
+      s.xs.resize(mp, 0.f);
+      s.gsum.resize((size_t)mp * (L.k / g), 0);
+      pool->run([&](int t) {
+        int64_t b0, b1;
+        split(nblocks, pool->active(), t, &b0, &b1);
+        if (b0 >= b1) return;
+        amx_configure();
+        std::vector<float> acc((size_t)mp * 16);
+        for (int64_t nb = b0; nb < b1; nb++)
+          q4_block_amx(L, s.x8.data(), s.xs.data(), s.gsum.data(), m, nb, acc.data(), y, L.n);
+        _tile_release();
+      });
+      if (L.bias)
+        for (int r = 0; r < m; r++)
+          for (int n = 0; n < L.n; n++) y[(int64_t)r * L.n + n] += L.bias[n];
+      return;
+    }
+#endif
     pool->run([&](int t) {
       int64_t b0, b1;
       split(nblocks, pool->active(), t, &b0, &b1);

@@ -30,6 +30,12 @@
 #else
 #define OC_VNNI 0
 #endif
+#if OC_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define OC_AMX 1
+constexpr int kAmxMinRows = 16;  // products of fewer rows stay on VNNI (a tile is 16 rows)
+#else
+#define OC_AMX 0
+#endif
 
 
 namespace {

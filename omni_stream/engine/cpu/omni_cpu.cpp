@@ -21,7 +21,9 @@
 //      4 (kq + 1) + i (high nibble), kq even; scales [N/16][K/G][2][16] fp16 (scale, offset).
 //   q8 weights [N/16][K/4][64] bytes, byte 4 r + i: row r at input 4 kq + i.
 // Built with -march=native by engine/cpu/build.py; without AVX-512 VNNI the same code runs
-// with a scalar fallback (correct, slow; the profile does not pick this engine there).
+// with a scalar fallback (correct, slow; the profile does not pick this engine there). With
+// AMX (int8 tiles), q4 products of >= 16 rows (prefills, wide batches) run on tiles, bit for
+// bit the VNNI kernel's results.
 
 #include "oc_pool.h"
 #include "oc_types.h"
@@ -52,6 +54,14 @@ int32_t oc_lease_acquire(void* lease, int64_t timeout_us) {
 }
 void oc_lease_release(void* lease) { lease_release(static_cast<CoreLease*>(lease)); }
 int32_t oc_has_vnni() { return OC_VNNI; }
+// AMX int8 tiles compiled in and granted by the OS (products of >= 16 rows use them)
+int32_t oc_has_amx() {
+#if OC_AMX
+  return amx_enabled() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 struct OcSampling {  // per row of a call
   const int32_t* greedy;
