@@ -245,3 +245,25 @@ def test_state_made_outside_inference_mode_updates_inside(model, ref, codes) -> 
         a = s.decode([0, 1], codes[:, :, :10])
     b = s.decode([0, 1], codes[:, :, 10:20])
     assert (torch.cat([a, b], -1) - ref[:, :20 * SPF]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("gemm_min_channels", [768, 0])
+def test_packed_bf16_weights_decode_as_the_unpacked(codes, ref, gemm_min_channels) -> None:
+    """``pack()`` (bf16 on CPU: oneDNN's blocked weights, made once) streams the same audio as
+    the unpacked bf16 model, within bf16 rounding, and is as close to the fp32 decode; an fp32
+    model is left as it is (its streaming stays the exact kernels)."""
+    assert _build().pack() is False
+    plain, packed = _build(gemm_min_channels).to(torch.bfloat16), _build(gemm_min_channels).to(torch.bfloat16)
+    if not packed.pack():
+        pytest.skip("this torch has no oneDNN bf16 packing")
+    splits = _splits("random")[:12]
+    n = sum(splits)
+    with torch.inference_mode():
+        a, b = (_stream(m, codes, splits).float() for m in (plain, packed))
+    want = ref[:, :n * SPF]
+
+    def snr(x, y):
+        return 10 * torch.log10(y.pow(2).sum() / (x - y).pow(2).sum().clamp_min(1e-30)).item()
+
+    assert snr(b, a) > 20, snr(b, a)
+    assert snr(b, want) > snr(a, want) - 3, (snr(b, want), snr(a, want))

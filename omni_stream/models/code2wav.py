@@ -29,7 +29,7 @@ from omni_stream.config import Code2WavConfig
 from omni_stream.models.code2wav_blocks import (DEFAULT_GEMM_MIN_CHANNELS, CausalConv1d, ConvNeXtBlock,
                                               CausalTransConv1d, Code2WavState, DecoderBlock,
                                               DecoderTransformer, SnakeBeta, SplitResidualVQ,
-                                              _Step)
+                                              _Step, onednn_packing_available, pack_linear)
 from omni_stream.models.layers import RMSNorm
 
 __all__ = ["Code2Wav", "Code2WavState", "Code2WavStream", "random_code2wav_state_dict"]
@@ -77,6 +77,23 @@ class Code2Wav(nn.Module):
     @property
     def samples_per_frame(self) -> int:
         return self.cfg.samples_per_frame
+
+    def pack(self) -> bool:
+        """Hold the weights of the wide streaming convs, of every transposed conv and of every
+        linear layer in oneDNN's blocked layout as well (bf16 on CPU; False and nothing done
+        elsewhere). oneDNN then stops re-packing each weight on every call, which at streaming
+        sizes costs as much as the product itself (a decode call is 10-15% faster at the
+        released dims). The transposed convs then run as GEMMs, so the audio is the unpacked
+        bf16 decode's within bf16 rounding (tests/test_code2wav.py), not bit for bit. Call it
+        once the weights are loaded and cast: the packed copies do not follow later changes."""
+        if not onednn_packing_available(self.pre_conv.conv.weight):
+            return False
+        for m in self.modules():
+            if isinstance(m, (CausalConv1d, CausalTransConv1d)):
+                m.pack()
+            elif isinstance(m, nn.Linear):
+                pack_linear(m)
+        return True
 
     def check_codes(self, codes: Tensor) -> Tensor:
         """Validate ``codes [B, Q, T]`` and return them as int64. Reads min/max back to the host

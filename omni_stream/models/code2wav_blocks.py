@@ -101,22 +101,58 @@ class _Step:
 DEFAULT_GEMM_MIN_CHANNELS = 768
 
 
-def _conv1d_gemm(x: Tensor, w: Tensor, b: Tensor | None, dilation: int) -> Tensor:
-    """Valid conv1d as im2col + GEMM. x [B, C, L + (k-1)*d], w [C', C, k] -> [B, C', L]."""
+def onednn_packing_available(w: Tensor) -> bool:
+    """oneDNN's prepacked bf16 kernels apply: a CPU bf16 weight and a torch built with them."""
+    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_linear(lin: nn.Linear) -> None:
+    """Run ``lin`` from a weight packed once in oneDNN's layout (bf16 on CPU): the kernel of
+    ``F.linear`` without re-packing the weight on every call."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 64)
+    bias = lin.bias
+
+    def forward(x: Tensor) -> Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    lin.forward = forward
+
+
+def _conv1d_gemm(x: Tensor, w: Tensor, b: Tensor | None, dilation: int,
+                 packed: Tensor | None = None) -> Tensor:
+    """Valid conv1d as im2col + GEMM. x [B, C, L + (k-1)*d], w [C', C, k] -> [B, C', L].
+    ``packed``: w as a linear weight in oneDNN's layout (``CausalConv1d.pack``)."""
     bsz, c, _ = x.shape
     cout, _, k = w.shape
-    cols = x.unfold(2, (k - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, L, k]
-    n = cols.shape[2]
-    cols = cols.permute(0, 2, 1, 3).reshape(bsz * n, c * k)
-    return F.linear(cols, w.reshape(cout, c * k), b).view(bsz, n, cout).transpose(1, 2)
+    if k == 1:
+        cols = x.transpose(1, 2).reshape(-1, c)
+        n = x.shape[2]
+    else:
+        cols = x.unfold(2, (k - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, L, k]
+        n = cols.shape[2]
+        cols = cols.permute(0, 2, 1, 3).reshape(bsz * n, c * k)
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(cols, packed, b, "none", [], "")
+    else:
+        y = F.linear(cols, w.reshape(cout, c * k), b)
+    return y.view(bsz, n, cout).transpose(1, 2)
 
 
-def _conv_transpose1d_gemm(x: Tensor, w: Tensor, b: Tensor | None, stride: int) -> Tensor:
+def _conv_transpose1d_gemm(x: Tensor, w: Tensor, b: Tensor | None, stride: int,
+                           packed: Tensor | None = None) -> Tensor:
     """conv_transpose1d for kernel k in (s, 2s) without the first s and last k-s outputs when
-    k = 2s. x [B, C, L], w [C, C', k] -> [B, C', L*s] (k = s) or [B, C', (L-1)*s] (k = 2s)."""
+    k = 2s. x [B, C, L], w [C, C', k] -> [B, C', L*s] (k = s) or [B, C', (L-1)*s] (k = 2s).
+    ``packed``: w as a linear weight in oneDNN's layout (``CausalTransConv1d.pack``)."""
     bsz, c, n = x.shape
     _, cout, k = w.shape
-    y = torch.mm(x.transpose(1, 2).reshape(bsz * n, c), w.reshape(c, cout * k))
+    cols = x.transpose(1, 2).reshape(bsz * n, c)
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(cols, packed, None, "none", [], "")
+    else:
+        y = torch.mm(cols, w.reshape(c, cout * k))
     y = y.view(bsz, n, cout, k // stride, stride)
     o = y[:, :, :, 0] if k == stride else y[:, 1:, :, 0] + y[:, :-1, :, 1]  # [B, L', C', s]
     o = o.permute(0, 2, 1, 3).reshape(bsz, cout, -1)
@@ -134,13 +170,21 @@ class CausalConv1d(nn.Module):
         self.context = (kernel_size - 1) * dilation
         self.gemm = False  # streaming kernel, chosen by Code2Wav
         self.state_id = -1  # assigned by Code2Wav
+        self.packed: Tensor | None = None  # streaming weight in oneDNN's layout (Code2Wav.pack)
+
+    def pack(self) -> None:
+        if self.gemm:  # the wide convs run as im2col + GEMM (the narrow ones: oneDNN's conv)
+            w = self.conv.weight.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.reshape(w.shape[0], -1).contiguous(), 64)
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, C, T] -> [B, C', T]
-        if self.context == 0:
-            return self.conv(x)
         if step is None:
-            return self.conv(F.pad(x, (self.context, 0)))
-        xx = step.tail(self.state_id, x, self.context)
+            return self.conv(F.pad(x, (self.context, 0)) if self.context else x)
+        xx = step.tail(self.state_id, x, self.context) if self.context else x
+        if self.packed is not None:
+            return _conv1d_gemm(xx, self.conv.weight, self.conv.bias, self.dilation, self.packed)
+        if self.context == 0:
+            return self.conv(xx)
         if self.gemm:
             return _conv1d_gemm(xx, self.conv.weight, self.conv.bias, self.dilation)
         return self.conv(xx)
@@ -162,6 +206,11 @@ class CausalTransConv1d(nn.Module):
         self.context = 1 if self.trim else 0
         self.gemm = False  # streaming kernel, chosen by Code2Wav
         self.state_id = -1
+        self.packed: Tensor | None = None  # streaming weight in oneDNN's layout (Code2Wav.pack)
+
+    def pack(self) -> None:
+        w = self.conv.weight.detach()  # [C, C', k]: as a linear map C -> C' k, packed
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.reshape(w.shape[0], -1).t().contiguous(), 64)
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, C, T] -> [B, C', T*s]
         if step is None:
@@ -169,6 +218,8 @@ class CausalTransConv1d(nn.Module):
             return y[..., : y.shape[-1] - self.trim]
         if self.context:
             x = step.tail(self.state_id, x, 1)  # [prev column ++ new columns]
+        if self.packed is not None:
+            return _conv_transpose1d_gemm(x, self.conv.weight, self.conv.bias, self.stride, self.packed)
         if self.gemm:
             return _conv_transpose1d_gemm(x, self.conv.weight, self.conv.bias, self.stride)
         if self.context == 0:

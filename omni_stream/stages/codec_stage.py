@@ -304,6 +304,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     inp = frames_handle.open()
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
+    model.pack()  # bf16 on CPU: weights in oneDNN's layout once, not on every decode
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
         from omni_stream.engine.cpu.native import CoreLease
