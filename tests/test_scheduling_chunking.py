@@ -128,6 +128,18 @@ def test_calibration_fits_chunk_costs_and_picks_the_smallest_steady_size():
     assert slow.steady == 24  # slower than real time: no size keeps the margin
 
 
+def test_calibration_raises_the_steady_size_but_never_below_the_floor():
+    """The server passes its uncalibrated steady size: gaps that look cheap (a decode hidden
+    behind the talker) do not shrink the chunks below it, a costly chunk still raises it."""
+    cheap = synthetic_arrivals([1, 2, 4, 8, 8], per_chunk_s=0.005, per_frame_s=0.02)
+    assert calibrate(cheap, min_steady=8).steady == 8
+    assert calibrate(cheap, min_steady=8).first == 1  # the first chunk is still the smallest that covers
+    costly = synthetic_arrivals([1, 2, 4, 8, 16, 16, 16], per_chunk_s=0.10, per_frame_s=0.05)
+    assert calibrate(costly, min_steady=4).steady == 8
+    assert calibrate(costly, min_steady=12).steady == 12
+    assert calibrate(cheap, min_steady=64, max_steady=32).steady == 32  # the cap holds
+
+
 def test_calibration_needs_two_sizes():
     with pytest.raises(ValueError, match="distinct sizes"):
         calibrate(synthetic_arrivals([4, 4, 4, 4], 0.1, 0.05))

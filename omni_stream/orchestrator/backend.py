@@ -363,7 +363,7 @@ class PipelineBackend:
     def _try_calibrate(self, arrivals: list[tuple[int, float]]) -> None:
         """Fit chunk costs from a finished stream and cache the policy for the next start."""
         try:
-            policy = calibrate(arrivals)
+            policy = calibrate(arrivals, min_steady=self.schedule.steady)
         except ValueError:
             return  # too few chunks or sizes in this stream: wait for another
         path = self._calibration.store(policy, chunks=len(arrivals))

@@ -139,12 +139,16 @@ def fit_chunk_costs(arrivals: Sequence[tuple[int, float]]) -> ChunkCostFit:
 def calibrate(arrivals: Sequence[tuple[int, float]], *, audio_frame_s: float = FRAME_AUDIO_S,
               target_rtf: float = 0.8, max_first: int = 2, max_steady: int = 32,
               growth: float = MAX_GROWTH, min_slack_floor_s: float = 0.08,
-              jitter_sigmas: float = 3.0) -> ChunkPolicy:
+              jitter_sigmas: float = 3.0, min_steady: int = 1) -> ChunkPolicy:
     """Chunk-policy parameters from measured chunk arrivals (see ``fit_chunk_costs``).
 
-    - steady: the smallest size whose cost per frame of audio, (per_chunk + n per_frame) /
-      (n audio_frame_s), stays within ``target_rtf`` (the real-time margin); ``max_steady`` if
-      no size does (the hardware cannot keep the margin: logged);
+    - steady: the smallest size >= ``min_steady`` whose cost per frame of audio, (per_chunk +
+      n per_frame) / (n audio_frame_s), stays within ``target_rtf`` (the real-time margin);
+      ``max_steady`` if no size does (the hardware cannot keep the margin: logged). The server
+      passes its uncalibrated steady size as ``min_steady``: arrival gaps do not show what a
+      decode call costs when it runs beside the language models (on a CPU each call reads the
+      decoder's weights once and takes a core the talker borrows), so calibration may raise
+      the steady size but never lower it;
     - first: the smallest size (<= max_first) whose playback covers making the second chunk;
     - min_slack_s: ``jitter_sigmas`` x the RMS residual of the fit, at least the floor."""
     if not 0 < target_rtf <= 1:
@@ -158,6 +162,7 @@ def calibrate(arrivals: Sequence[tuple[int, float]], *, audio_frame_s: float = F
         steady = max_steady
     else:
         steady = min(max_steady, max(1, math.ceil(fit.per_chunk_s / room - 1e-9)))
+    steady = max(steady, min(min_steady, max_steady))
     first = max_first
     for n1 in range(1, max_first + 1):
         n2 = min(steady, max(n1 + 1, int(n1 * growth)), 2 * n1)
