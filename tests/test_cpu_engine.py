@@ -196,6 +196,34 @@ def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):
         assert float((ys[0] - ref_y).norm() / ref_y.norm()) < 3e-2
 
 
+def test_snake_kernel_rounds_like_float64_over_a_million_values_and_edges():
+    """Code2Wav's one-pass SnakeBeta (bf16 in and out, float math): every output within one bf16
+    step of x + sin(alpha x)^2 / beta computed in float64 and rounded once, over 2 million values
+    spanning 1e-3..1e3, odd row lengths (vector tails), and the edges: +-0, +-inf and NaN (NaN
+    out, as torch's sin), |alpha x| past the reduction's range (the exact fallback), 1e+-30."""
+    snake = native.snake_kernel()
+    g = torch.Generator().manual_seed(0)
+    c, t = 7, 142863
+    x = (torch.randn(2, c, t, generator=g) * torch.logspace(-3, 3, t)[None, None]).bfloat16()
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 4096.0, 4095.0,
+             1e-30, 3.14159, -3.14159, 1e5, -7e4]
+    x[0, 0, :len(edges)] = torch.tensor(edges).bfloat16()
+    alpha, inv_beta = torch.linspace(0.1, 20, c), torch.linspace(0.05, 3, c)
+    y = snake(x, alpha, inv_beta).float()
+    xd = x.double()
+    ref = (xd + inv_beta.double()[None, :, None] * torch.sin(xd * alpha.double()[None, :, None]) ** 2)
+    ref = ref.float().bfloat16().float()
+    both_nan = torch.isnan(y) & torch.isnan(ref)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    step = ref.abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool((((y - ref).abs() <= step) | both_nan).all())
+    assert float(((y == ref) | both_nan).float().mean()) > 0.999
+    short = snake(x[:, :, :5], alpha, inv_beta).float()  # rows shorter than a vector: scalar
+    assert bool((((short - ref[:, :, :5]).abs() <= step[:, :, :5]) | torch.isnan(ref[:, :, :5])).all())
+    with pytest.raises(ValueError, match="bf16"):
+        snake(x.float(), alpha, inv_beta)
+
+
 # ------------------------------------------------------------------------------ lent cores
 def test_lent_threads_never_change_the_codes(tiny_model):
     """A pool with a thread on a lent core gives the codes of one thread, whether the owner

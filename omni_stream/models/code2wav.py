@@ -78,14 +78,16 @@ class Code2Wav(nn.Module):
     def samples_per_frame(self) -> int:
         return self.cfg.samples_per_frame
 
-    def pack(self) -> bool:
+    def pack(self, snake=None) -> bool:
         """Hold the weights of the wide streaming convs, of every transposed conv and of every
         linear layer in oneDNN's blocked layout as well (bf16 on CPU; False and nothing done
         elsewhere). oneDNN then stops re-packing each weight on every call, which at streaming
         sizes costs as much as the product itself (a decode call is 10-15% faster at the
         released dims). The transposed convs then run as GEMMs, so the audio is the unpacked
         bf16 decode's within bf16 rounding (tests/test_code2wav.py), not bit for bit. Call it
-        once the weights are loaded and cast: the packed copies do not follow later changes."""
+        once the weights are loaded and cast: the packed copies do not follow later changes.
+        ``snake``: a one-pass SnakeBeta kernel for streaming (``engine.cpu.native.snake_kernel``:
+        torch's five bf16 ops are a quarter of a decode call)."""
         if not onednn_packing_available(self.pre_conv.conv.weight):
             return False
         for m in self.modules():
@@ -93,6 +95,8 @@ class Code2Wav(nn.Module):
                 m.pack()
             elif isinstance(m, nn.Linear):
                 pack_linear(m)
+            elif isinstance(m, SnakeBeta) and snake is not None:
+                m.pack(snake)
         return True
 
     def check_codes(self, codes: Tensor) -> Tensor:

@@ -171,11 +171,16 @@ class CausalConv1d(nn.Module):
         self.gemm = False  # streaming kernel, chosen by Code2Wav
         self.state_id = -1  # assigned by Code2Wav
         self.packed: Tensor | None = None  # streaming weight in oneDNN's layout (Code2Wav.pack)
+        self.pointwise: Tensor | None = None  # a narrow 1x1 conv's [C', C] (Code2Wav.pack)
 
     def pack(self) -> None:
+        w = self.conv.weight.detach()
         if self.gemm:  # the wide convs run as im2col + GEMM (the narrow ones: oneDNN's conv)
-            w = self.conv.weight.detach()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.reshape(w.shape[0], -1).contiguous(), 64)
+        elif w.shape[2] == 1 and self.conv.groups == 1:
+            # a narrow 1x1 conv is W [C', C] @ x [C, T] per row: a plain GEMM on the [C, T]
+            # layout (oneDNN's conv converts long inputs to its blocked layout and back)
+            self.pointwise = w[:, :, 0].contiguous()
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, C, T] -> [B, C', T]
         if step is None:
@@ -183,6 +188,15 @@ class CausalConv1d(nn.Module):
         xx = step.tail(self.state_id, x, self.context) if self.context else x
         if self.packed is not None:
             return _conv1d_gemm(xx, self.conv.weight, self.conv.bias, self.dilation, self.packed)
+        if self.pointwise is not None:
+            y = xx.new_empty(xx.shape[0], self.pointwise.shape[0], xx.shape[2])
+            b = self.conv.bias
+            for i in range(xx.shape[0]):
+                if b is None:
+                    torch.mm(self.pointwise, xx[i], out=y[i])
+                else:
+                    torch.addmm(b[:, None], self.pointwise, xx[i], out=y[i])
+            return y
         if self.context == 0:
             return self.conv(xx)
         if self.gemm:
@@ -207,6 +221,7 @@ class CausalTransConv1d(nn.Module):
         self.gemm = False  # streaming kernel, chosen by Code2Wav
         self.state_id = -1
         self.packed: Tensor | None = None  # streaming weight in oneDNN's layout (Code2Wav.pack)
+        self.pointwise: Tensor | None = None  # a narrow 1x1 conv's [C', C] (Code2Wav.pack)
 
     def pack(self) -> None:
         w = self.conv.weight.detach()  # [C, C', k]: as a linear map C -> C' k, packed
@@ -234,8 +249,17 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.kernel = None  # a one-pass streaming kernel (Code2Wav.pack)
+
+    def pack(self, kernel) -> None:
+        """Stream through ``kernel(x, alpha, inv_beta)`` (one pass, e.g. the CPU runtime's)."""
+        self.kernel = kernel
+        self.consts = (self.alpha.detach().float().exp().contiguous(),
+                       (1.0 / (self.beta.detach().float().exp() + 1e-9)).contiguous())
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, C, T]
+        if step is not None and self.kernel is not None:
+            return self.kernel(x, *self.consts)
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)

@@ -304,7 +304,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     inp = frames_handle.open()
     out = audio_handle.open()
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    model.pack()  # bf16 on CPU: weights in oneDNN's layout once, not on every decode
+    model.pack(snake=_snake_kernel(model))  # bf16 on CPU: weights packed once, one-pass Snake
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
         from omni_stream.engine.cpu.native import CoreLease
@@ -324,6 +324,21 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
         stepstats.dump()
         inp.close()
         out.close()
+
+
+def _snake_kernel(model: Code2Wav):
+    """The CPU runtime's one-pass SnakeBeta for a bf16 model on CPU (None elsewhere, or when the
+    runtime cannot be built here: torch's ops then run it)."""
+    p = model.pre_conv.conv.weight
+    if p.device.type != "cpu" or p.dtype != torch.bfloat16:
+        return None
+    try:
+        from omni_stream.engine.cpu.native import snake_kernel
+
+        return snake_kernel()
+    except Exception as e:  # no compiler, or a failed build: the torch ops are correct too
+        log.warning("the CPU runtime's Snake kernel is unavailable (%s): using torch's ops", e)
+        return None
 
 
 def _parent_alive() -> bool:

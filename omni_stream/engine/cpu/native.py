@@ -92,8 +92,28 @@ def _lib(path: str | None = None) -> C.CDLL:
         lib.oc_lease_acquire.argtypes = [C.c_void_p, C.c_int64]
         lib.oc_lease_release.argtypes = [C.c_void_p]
         lib.oc_has_amx.restype = C.c_int32
+        lib.oc_snake_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64,
+                                      C.c_int32, C.c_int64]
         lib._omni_typed = True
     return lib
+
+
+def snake_kernel(lib: C.CDLL | None = None):
+    """Code2Wav's SnakeBeta in one pass (``oc_snake_bf16``) as ``fn(x, alpha, inv_beta) -> y``
+    for bf16 x [B, C, T] and fp32 per-channel alpha = exp(log alpha) and inv_beta = 1 / (exp(log
+    beta) + 1e-9); for ``Code2Wav.pack(snake=...)``."""
+    lib = lib or _lib()
+
+    def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 3:
+            raise ValueError(f"the snake kernel takes bf16 [batch, channels, time], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        lib.oc_snake_bf16(x.data_ptr(), y.data_ptr(), alpha.data_ptr(), inv_beta.data_ptr(),
+                          x.shape[0] * x.shape[1], x.shape[1], x.shape[2])
+        return y
+
+    return snake
 
 
 class Pool:

@@ -30,6 +30,7 @@
 #include "oc_gemm.h"
 #include "oc_step.h"
 #include "oc_sample.h"
+#include "oc_snake.h"
 
 // ------------------------------------------------------------------------------ C entry points
 extern "C" {
@@ -54,6 +55,11 @@ int32_t oc_lease_acquire(void* lease, int64_t timeout_us) {
 }
 void oc_lease_release(void* lease) { lease_release(static_cast<CoreLease*>(lease)); }
 int32_t oc_has_vnni() { return OC_VNNI; }
+// Code2Wav's SnakeBeta over bf16 [rows][t] (row r: channel r % channels); see oc_snake.h
+void oc_snake_bf16(const uint16_t* x, uint16_t* y, const float* alpha, const float* inv_beta,
+                   int64_t rows, int32_t channels, int64_t t) {
+  snake_bf16(x, y, alpha, inv_beta, rows, channels, t);
+}
 // AMX int8 tiles compiled in and granted by the OS (products of >= 16 rows use them)
 int32_t oc_has_amx() {
 #if OC_AMX
