@@ -224,3 +224,64 @@ def test_codec_frame_streams_follow_the_audio_chunk_schedule(codec, monkeypatch)
     assert codes_chunks[-1][1] & Flags.END and not any(f & Flags.END for _, f in codes_chunks[:-1])
     np.testing.assert_array_equal(np.concatenate([p for p, _ in codes_chunks]), frames)
     assert stage.stats()["streams"] == 0 and not math.isnan(stage.stats()["decode_ms_per_frame"])
+
+
+def _two_offset_streams(codec, monkeypatch, piggyback: bool):
+    """Two audio streams fed one frame per talker step, the second joining three steps later;
+    returns (the stage, each stream's (pcm, flags) chunks, each stream's frames)."""
+    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.stages import codec_stage
+    from omni_stream.transport import Flags, Message, MsgKind, StreamStart
+
+    clock = types.SimpleNamespace(t=100.0)
+    monkeypatch.setattr(codec_stage, "time", types.SimpleNamespace(
+        monotonic=lambda: clock.t, perf_counter=lambda: clock.t))
+    out = _Out()
+    stage = codec_stage.CodecStage(codec, max_slots=3, out=out)
+    if not piggyback:
+        stage._piggyback = lambda by_len, ready: None
+
+    def msg(kind, sid, flags=0, payload=None):
+        return Message(int(kind), int(flags), sid, 0, 0, payload, 0, 0, 0, 0)
+
+    rng = np.random.default_rng(3)
+    frames = {1: rng.integers(0, 2048, (23, 16), dtype=np.int64),
+              2: rng.integers(0, 2048, (17, 16), dtype=np.int64)}
+    policies = {1: ChunkPolicy(first=1, steady=2), 2: ChunkPolicy(first=2, steady=8)}
+    starts, sent = {1: 0, 2: 3}, {1: 0, 2: 0}
+    for step in range(40):
+        for sid in (1, 2):
+            if step == starts[sid]:
+                start = StreamStart(policies[sid], codes_only=False, input_tokens=5)
+                stage.on_message(msg(MsgKind.EVENT, sid, Flags.FIRST, start.to_payload()))
+            i = sent[sid]
+            if step >= starts[sid] and i < len(frames[sid]):
+                last = i == len(frames[sid]) - 1
+                stage.on_message(msg(MsgKind.CODES, sid, Flags.END if last else 0, frames[sid][i][None]))
+                sent[sid] += 1
+        clock.t += 0.02
+        stage.iterate()
+    while stage.iterate():
+        pass
+    chunks = {sid: [(p, f) for s, k, p, f in out.sent if s == sid] for sid in (1, 2)}
+    return stage, chunks, frames
+
+
+def test_streams_not_due_join_a_decode_of_their_length(codec, monkeypatch):
+    """A stream holding enough frames rides along in another stream's decode call (one call,
+    two rows) instead of a call of its own later: fewer calls than with each stream on its own
+    schedule. Each stream's audio is still exactly its own frames' one-pass decode, the last
+    chunk carries END, and a first chunk keeps its policy's first size."""
+    from omni_stream.transport import Flags
+
+    alone, _, _ = _two_offset_streams(codec, monkeypatch, piggyback=False)
+    stage, chunks, frames = _two_offset_streams(codec, monkeypatch, piggyback=True)
+    assert stage.calls < alone.calls, (stage.calls, alone.calls)
+    assert len(chunks[1][0][0]) == 1920 and len(chunks[2][0][0]) >= 2 * 1920  # first sizes kept
+    for sid in (1, 2):
+        pcm = np.concatenate([p for p, _ in chunks[sid]])
+        with torch.no_grad():
+            ref = codec(torch.from_numpy(frames[sid].T[None].copy()))[0].numpy()
+        assert pcm.shape == ref.shape
+        np.testing.assert_allclose(pcm, ref, atol=1e-4)
+        assert chunks[sid][-1][1] & Flags.END

@@ -246,6 +246,7 @@ class CodecStage:
                 self._emit(sid, st, n, None)
             else:
                 by_len.setdefault(n, []).append((sid, st))
+        self._piggyback(by_len, {sid for sid, _, _ in ready})
         for n, group in by_len.items():
             codes = np.stack([np.concatenate(st.buf[:n], axis=0).T for _, st in group])  # [k,16,n]
             t0 = time.perf_counter()
@@ -266,6 +267,19 @@ class CodecStage:
             for i, (sid, st) in enumerate(group):
                 self._emit(sid, st, n, pcm[i])
         return True
+
+    def _piggyback(self, by_len: dict[int, list[tuple[int, _Stream]]], ready: set[int]) -> None:
+        """Streams not due yet that hold enough frames join a decode of that length: a row more
+        in a call costs far less than a call of its own (on a CPU each call reads the decoder's
+        weights), and their audio leaves early. A stream's first chunk keeps at least its
+        policy's first size."""
+        for n, group in sorted(by_len.items()):
+            for sid, st in self.streams.items():
+                if (sid in ready or st.codes_only or len(st.buf) < n
+                        or (st.chunks == 0 and n < st.policy.first)):
+                    continue
+                group.append((sid, st))
+                ready.add(sid)
 
     def _emit(self, sid: int, st: _Stream, n: int, pcm: np.ndarray | None) -> None:
         frames = np.concatenate(st.buf[:n], axis=0)
