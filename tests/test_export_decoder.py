@@ -285,3 +285,19 @@ def test_streams_not_due_join_a_decode_of_their_length(codec, monkeypatch):
         assert pcm.shape == ref.shape
         np.testing.assert_allclose(pcm, ref, atol=1e-4)
         assert chunks[sid][-1][1] & Flags.END
+
+
+def test_codec_warm_up_leaves_every_slot_fresh(codec):
+    """The start-up warm-up decodes every ramp shape, then resets its slots: a stream decoded
+    afterwards is exactly the one-pass decode of its frames."""
+    from omni_stream.stages import codec_stage
+
+    stage = codec_stage.CodecStage(codec, max_slots=3, out=_Out())
+    assert stage.warm_up(max_frames=3, max_batch=2) > 0
+    st = stage.dec.state
+    assert int(st.pos.abs().sum()) == 0
+    assert all(float(t.abs().sum()) == 0 for t in (*st.keys, *st.values, *st.tails))
+    frames = torch.randint(0, 2048, (1, 16, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = torch.cat([stage.dec.decode([1], frames[:, :, :2]), stage.dec.decode([1], frames[:, :, 2:])], -1)
+        torch.testing.assert_close(got, codec(frames), atol=1e-4, rtol=0)

@@ -268,6 +268,21 @@ class CodecStage:
                 self._emit(sid, st, n, pcm[i])
         return True
 
+    @torch.inference_mode()
+    def warm_up(self, max_frames: int = 8, max_batch: int = 2) -> float:
+        """Decode each chunk shape a stream's ramp meets (1..``max_frames`` frames, batches of
+        1..``max_batch`` streams) once, then reset the slots: oneDNN builds its kernels for a
+        shape on first use (~40-60 ms each at the released dims on a CPU), which would
+        otherwise land on the first streams' first chunks. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        batch = min(max_batch, self.dec.max_slots)
+        for b in range(1, batch + 1):
+            for n in range(1, max_frames + 1 if b == 1 else max_frames // 2 + 1):
+                self.dec.decode(list(range(b)), torch.zeros(b, self.codebooks, n, dtype=torch.long))
+        for slot in range(batch):
+            self.dec.reset(slot)
+        return time.perf_counter() - t0
+
     def _piggyback(self, by_len: dict[int, list[tuple[int, _Stream]]], ready: set[int]) -> None:
         """Streams not due yet that hold enough frames join a decode of that length: a row more
         in a call costs far less than a call of its own (on a CPU each call reads the decoder's
@@ -320,6 +335,8 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
     model.pack(snake=_snake_kernel(model))  # bf16 on CPU: weights packed once, one-pass Snake
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
+    if spec.device == "cpu":
+        log.info("codec warm-up: %.1f s", stage.warm_up())
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
         from omni_stream.engine.cpu.native import CoreLease
         from omni_stream.transport.ring import LEASE_OFF
