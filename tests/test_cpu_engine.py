@@ -102,6 +102,35 @@ def test_low_bit_weights_run_and_stay_in_the_codebook(tiny_model):
             assert c.shape == (8, 16) and c.min() >= 0 and c[:, 1:].max() < 2048
 
 
+def test_packed_weights_kept_on_disk_give_the_same_codes(tiny_model, tmp_path, caplog):
+    """The pack cache: the first start packs and writes the file, the next loads every product
+    from it (nothing repacked) and samples the same codes; a file that does not fit the model
+    (another weight path) or does not read is ignored with a warning and rewritten."""
+    path = tmp_path / "packed.safetensors"
+
+    def engine(kind):
+        eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=3, max_seq_len=256))
+        eng.use_native(kind, kind, threads=2, pack_cache=path)
+        return eng
+
+    first = engine("q4")
+    assert path.is_file()
+    ref = _run(tiny_model, first, SamplingParams(), [3, 4], 8)
+    again = engine("q4")
+    with pytest.raises(ValueError, match="pack cache"):
+        again.native.head.dequantized()  # loaded, not packed
+    for a, b in zip(ref, _run(tiny_model, again, SamplingParams(), [3, 4], 8)):
+        np.testing.assert_array_equal(a, b)
+    before = path.stat().st_mtime_ns
+    q8 = engine("q8")  # the file holds q4 products: repacked as q8 and rewritten
+    assert "does not fit" in caplog.text and path.stat().st_mtime_ns != before
+    q8.native.head.dequantized()
+    path.write_bytes(b"not a safetensors file")
+    engine("q4")
+    assert "ignoring the pack cache" in caplog.text
+    assert native.PackCache._read(path)  # rewritten whole
+
+
 def test_offline_synthesis_runs_on_the_runtime(tiny_ckpt):
     s = Synthesizer.from_path(tiny_ckpt)
     ref, _, _ = s.generate_codes(REQS[0], SamplingParams.greedy(), 0, 10)

@@ -118,17 +118,18 @@ class FrameEngine:
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
                    threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
-                   lease=None) -> None:
+                   lease=None, pack_cache=None) -> None:
         """Run the talker step, its head, prefill and the code predictor's frame on the CPU
         runtime (``engine/cpu``) with the given weight paths; the engine's state is shared.
         ``lent_cpus``/``lease``: extra runtime threads on cores lent by another process while
-        it does not hold the lease (``engine.cpu.native.Pool``)."""
+        it does not hold the lease (``engine.cpu.native.Pool``). ``pack_cache``: a file where
+        the packed weights are kept between starts (``engine.cpu.native.PackCache``)."""
         from omni_stream.engine.cpu.native import NativeRunner
 
         if self.device.type != "cpu":
             raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
         self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
-                                   lease=lease)
+                                   lease=lease, pack_cache=pack_cache)
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,

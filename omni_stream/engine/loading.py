@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -44,12 +45,30 @@ def load_for_engine(path: str | Path, dtype: torch.dtype, device: str, weight_pa
     return load_model(path, dtype, device, None if engine == "native" else weight_path)
 
 
+def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:
+    """Where the native runtime keeps this checkpoint's packed weights between starts: keyed by
+    the weight files (path, size, modification time), the weight path and the packing code."""
+    from omni_stream.checkpoints.default import cache_dir
+    from omni_stream.engine.cpu import native
+
+    root = Path(model_path).resolve()
+    parts = [str(root), str(NATIVE_KINDS[weight_path]), Path(native.__file__).read_text()]
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    return cache_dir() / "packed" / f"{key}.safetensors"
+
+
 def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int, *,
-                  lent_cpus: tuple[int, ...] = (), lease=None) -> None:
+                  lent_cpus: tuple[int, ...] = (), lease=None, model_path=None) -> None:
     """Switch a ``FrameEngine`` to the native runtime (no-op for the torch engine);
-    ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.native.Pool``)."""
+    ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.native.Pool``);
+    ``model_path``: keep the packed weights in the cache (``pack_cache_path``) so the next start
+    loads them."""
     if engine == "native":
+        cache = pack_cache_path(model_path, weight_path) if model_path is not None else None
         frame_engine.use_native(*NATIVE_KINDS[weight_path], threads=threads, lent_cpus=lent_cpus,
-                                lease=lease)
+                                lease=lease, pack_cache=cache)
     elif lent_cpus:
         raise ValueError("lent cores need the native engine")

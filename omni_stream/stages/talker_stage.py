@@ -351,7 +351,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
 
         lease = CoreLease.open(frames_handle.path, LEASE_OFF)
     attach_engine(stage.engine, spec.engine, spec.weight_path, spec.threads,
-                  lent_cpus=spec.lent_cpus, lease=lease)
+                  lent_cpus=spec.lent_cpus, lease=lease, model_path=spec.model_path)
     if spec.compile:
         from omni_stream.engine.compiled import compile_engine, warm_up
 

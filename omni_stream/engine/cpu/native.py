@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes as C
+import json
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from omni_stream.engine.cpu.build import ensure_library
+
+log = logging.getLogger(__name__)
 
 KINDS = {"q4": 0, "q8": 1, "f32": 2}
 Q4_GROUP = 64
@@ -219,7 +225,34 @@ class PackedLinear:
 
     def dequantized(self) -> torch.Tensor:
         """The weights the kernel effectively multiplies by, fp32 [n, k] (for tests)."""
+        if self._deq is None:
+            raise ValueError("this product was loaded from the pack cache: repack to dequantize")
         return self._deq
+
+    @property
+    def meta(self) -> dict:
+        s = self.struct
+        return dict(kind=s.kind, n=s.n, k=s.k, group=s.group, bias=bool(s.bias))
+
+    @classmethod
+    def from_tensors(cls, meta: dict, tensors: list[torch.Tensor]) -> "PackedLinear":
+        """A product rebuilt from what ``pack_weight`` kept (``tensors``, in its order)."""
+        s = OcLinear(kind=meta["kind"], n=meta["n"], k=meta["k"], group=meta["group"])
+        ts = list(tensors)
+        if meta["bias"]:
+            s.bias = ts.pop(0).data_ptr()
+        if meta["kind"] == KINDS["f32"]:
+            (w,) = ts
+            s.wf = w.data_ptr()
+        elif meta["kind"] == KINDS["q4"]:
+            w, sm = ts
+            s.w, s.scales = w.data_ptr(), sm.data_ptr()
+        else:
+            w, scale, rsum = ts
+            s.w, s.row_scale, s.row_sum = w.data_ptr(), scale.data_ptr(), rsum.data_ptr()
+        out = cls(s, list(tensors))
+        out._deq = None
+        return out
 
     @property
     def n(self) -> int:
@@ -277,8 +310,83 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> P
     return out
 
 
-def pack_linear(lin: nn.Linear, kind: str) -> PackedLinear:
+def pack_linear(lin: nn.Linear, kind: str, cache: "PackCache | None" = None) -> PackedLinear:
+    if cache is not None:
+        return cache.pack(lambda: lin.weight, lin.bias, kind, tuple(lin.weight.shape))
     return pack_weight(lin.weight, lin.bias, kind)
+
+
+class PackCache:
+    """The packed products of one runner, kept on disk (safetensors) so a restart loads them
+    instead of packing again (packing the 0.6B model takes ~9 s on one core). Products are
+    taken in the runner's order; each is checked against the kind and shape it must have, and
+    a file that does not fit (or does not read) is ignored with a warning and rewritten."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.loaded: list[tuple[dict, list[torch.Tensor]]] | None = None
+        self.made: list[PackedLinear] = []
+        self.i = 0
+        if path is not None and path.is_file():
+            try:
+                self.loaded = self._read(path)
+            except Exception as e:  # unreadable or of another layout: pack afresh
+                log.warning("ignoring the pack cache %s: %s", path, e)
+
+    @staticmethod
+    def _read(path: Path) -> list[tuple[dict, list[torch.Tensor]]]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["products"])
+            if f.metadata().get("version") != str(PackCache.VERSION):
+                raise ValueError("another pack-cache version")
+            return [(m, [f.get_tensor(f"{i}.{j}") for j in range(m["tensors"])])
+                    for i, m in enumerate(meta)]
+
+    def pack(self, weight, bias: torch.Tensor | None, kind: str, shape: tuple[int, int]) -> PackedLinear:
+        """The product of ``weight()`` [n, k] (called only when it must be packed)."""
+        n, k = shape
+        if self.loaded is not None:
+            want = dict(kind=KINDS[kind_for(n, k, kind)], n=n, k=k, bias=bias is not None)
+            got = self.loaded[self.i][0] if self.i < len(self.loaded) else None
+            if got is not None and all(got[key] == v for key, v in want.items()):
+                self.i += 1
+                return PackedLinear.from_tensors(got, self.loaded[self.i - 1][1])
+            log.warning("the pack cache %s does not fit this model (product %d): packing afresh",
+                        self.path, self.i)
+            self.loaded = None
+            raise _Repack
+        p = pack_weight(weight(), bias, kind)
+        self.made.append(p)
+        return p
+
+    def finish(self) -> None:
+        """Write what was packed (nothing when everything came from the file)."""
+        if self.path is None or self.loaded is not None or not self.made:
+            return
+        from safetensors.torch import save_file
+
+        tensors, meta = {}, []
+        for i, p in enumerate(self.made):
+            meta.append(dict(p.meta, tensors=len(p.tensors)))
+            for j, t in enumerate(p.tensors):
+                tensors[f"{i}.{j}"] = t.contiguous()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            save_file(tensors, str(tmp), metadata={"products": json.dumps(meta),
+                                                   "version": str(self.VERSION)})
+            tmp.replace(self.path)
+        except OSError as e:  # a full or read-only disk: the next start packs again
+            log.warning("could not write the pack cache %s: %s", self.path, e)
+            tmp.unlink(missing_ok=True)
+
+
+class _Repack(Exception):
+    """The pack cache stopped fitting part-way: the runner packs everything afresh."""
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -289,19 +397,24 @@ class NativeStack:
     """A decoder stack (``DecoderStack``) packed for the runtime, over the engine's KV cache."""
 
     def __init__(self, stack: nn.Module, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 kind: str) -> None:
+                 kind: str, packs: PackCache | None = None) -> None:
         cfg = stack.cfg
         if cfg.head_dim % 16:
             raise ValueError(f"the CPU runtime needs head_dim % 16 == 0, got {cfg.head_dim}")
         self.layers: list[tuple[PackedLinear, ...]] = []
         self.keep: list[torch.Tensor] = []
         arr = (OcLayer * cfg.num_hidden_layers)()
+        packs = packs or PackCache(None)
         for i, layer in enumerate(stack.layers):
             a, m = layer.self_attn, layer.mlp
-            qkv = pack_weight(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), None, kind)
-            o = pack_linear(a.o_proj, kind)
-            gu = pack_weight(torch.cat((m.gate_proj.weight, m.up_proj.weight)), None, kind)
-            down = pack_linear(m.down_proj, kind)
+            qkv_w = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+            qkv = packs.pack(lambda: torch.cat(qkv_w), None, kind,
+                             (sum(w.shape[0] for w in qkv_w), qkv_w[0].shape[1]))
+            o = pack_linear(a.o_proj, kind, packs)
+            gu_w = (m.gate_proj.weight, m.up_proj.weight)
+            gu = packs.pack(lambda: torch.cat(gu_w), None, kind,
+                            (sum(w.shape[0] for w in gu_w), gu_w[0].shape[1]))
+            down = pack_linear(m.down_proj, kind, packs)
             norms = [_f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
                      _f32(a.q_norm.weight), _f32(a.k_norm.weight)]
             self.layers.append((qkv, o, gu, down))
@@ -334,18 +447,16 @@ class NativeRunner:
 
     def __init__(self, engine, talker_kind: str = "q4", cp_kind: str = "q4",
                  threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
-                 lease: CoreLease | None = None) -> None:
+                 lease: CoreLease | None = None, pack_cache: Path | None = None) -> None:
         self.lib = _lib()
         self.pool = Pool(threads or torch.get_num_threads(), self.lib, lent_cpus=lent_cpus,
                          lease=lease)
         t, cp = engine.talker, engine.talker.code_predictor
-        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind)
-        self.head = pack_linear(t.codec_head, talker_kind)
-        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind)
-        self.cp_heads = [pack_linear(h, cp_kind) for h in cp.lm_head]
+        try:
+            self._pack(engine, talker_kind, cp_kind, PackCache(pack_cache))
+        except _Repack:  # the cache file did not fit: pack everything and rewrite it
+            self._pack(engine, talker_kind, cp_kind, PackCache(None), write_to=pack_cache)
         heads = (OcLinear * len(self.cp_heads))(*[h.struct for h in self.cp_heads])
-        proj = cp.small_to_mtp_projection
-        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_kind)
         emb_dtype = t.model.codec_embedding.weight.dtype
         tables = [t.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
         if emb_dtype not in (torch.bfloat16, torch.float32) or any(x.dtype != emb_dtype for x in tables):
@@ -365,6 +476,23 @@ class NativeRunner:
             cos_tab=self.cp_rope[0].data_ptr(), sin_tab=self.cp_rope[1].data_ptr())
         self.engine = engine
         self.kinds = (talker_kind, cp_kind)
+
+    def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache,
+              write_to: Path | None = None) -> None:
+        t, cp = engine.talker, engine.talker.code_predictor
+        if write_to is not None:
+            packs.path = write_to
+        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind, packs)
+        self.head = pack_linear(t.codec_head, talker_kind, packs)
+        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind, packs)
+        self.cp_heads = [pack_linear(h, cp_kind, packs) for h in cp.lm_head]
+        proj = cp.small_to_mtp_projection
+        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_kind, packs)
+        if packs.loaded is not None and packs.i != len(packs.loaded):
+            log.warning("the pack cache %s holds more products than this model: packing afresh",
+                        packs.path)
+            raise _Repack
+        packs.finish()
 
     def talker_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows x [m, C] (token of slot slots[r] at position pos[r], attending the slot's cache
