@@ -227,8 +227,8 @@ class CodecStage:
             if not have:
                 continue
             # adaptive: grow toward the steady size only while the listener's buffer allows
-            want = st.policy.next_chunk(st.chunks, st.slack_s(now), st.frame_dt, decode_ms,
-                                        prev=st.prev_chunk)
+            want = self._first_size(st) if st.chunks == 0 else st.policy.next_chunk(
+                st.chunks, st.slack_s(now), st.frame_dt, decode_ms, prev=st.prev_chunk)
             if have >= want or st.ended:
                 n = min(have, self.max_chunk) if have >= want else have
                 out.append((sid, st, n))
@@ -283,15 +283,22 @@ class CodecStage:
             self.dec.reset(slot)
         return time.perf_counter() - t0
 
+    def _first_size(self, st: _Stream) -> int:
+        """A stream's first chunk: its policy's, one frame more when other streams are active.
+        Its next frames then come at the pace of a batched step and its chunks wait for the
+        others' decodes, so a first chunk sized for a lone stream runs dry before the second
+        arrives (measured: 0.6B on 2 cores, a stream joining a running one)."""
+        return st.policy.first + (1 if len(self.streams) > 1 else 0)
+
     def _piggyback(self, by_len: dict[int, list[tuple[int, _Stream]]], ready: set[int]) -> None:
         """Streams not due yet that hold enough frames join a decode of that length: a row more
         in a call costs far less than a call of its own (on a CPU each call reads the decoder's
         weights), and their audio leaves early. A stream's first chunk keeps at least its
-        policy's first size."""
+        first size (``_first_size``)."""
         for n, group in sorted(by_len.items()):
             for sid, st in self.streams.items():
                 if (sid in ready or st.codes_only or len(st.buf) < n
-                        or (st.chunks == 0 and n < st.policy.first)):
+                        or (st.chunks == 0 and n < self._first_size(st))):
                     continue
                 group.append((sid, st))
                 ready.add(sid)
