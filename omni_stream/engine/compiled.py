@@ -71,8 +71,9 @@ def compile_stats() -> dict[str, int]:
 
 @torch.inference_mode()
 def warm_up(engine, frames: int = 2, code_predictor_only: bool = False) -> float:
-    """Run throwaway prefills and steps so every graph a server needs is compiled (or loaded)
-    before the first request, not during it. torch.compile specialises sizes 0 and 1 and
+    """Run throwaway prefills and steps so every graph a server needs is compiled (or loaded),
+    and the native runtime's weights are paged in, before the first request, not during it.
+    torch.compile specialises sizes 0 and 1 and
     gives equal sizes one symbol, so the shapes here are chosen to differ the way real traffic
     does: a prompt in two pieces (live length != piece length), then steps with one and with
     two slots (batch 1 and batch > 1 are separate graphs). The slots are released after; their
@@ -88,16 +89,16 @@ def warm_up(engine, frames: int = 2, code_predictor_only: bool = False) -> float
                 engine._predict_residual(p)
         return time.perf_counter() - t0
     c = engine.talker.model.cfg.hidden_size
-    embeds = torch.zeros(7, c, dtype=engine.dtype, device=engine.device)
+    embeds = torch.zeros(20, c, dtype=engine.dtype, device=engine.device)  # >= 16 rows: AMX too
     trailing = torch.zeros(1, c, dtype=engine.dtype, device=engine.device)
     greedy = SamplingParams.greedy()
     for slot in range(slots):
         engine.prefill(slot, embeds, trailing, greedy, 0, start=0, final=False)
-        engine.prefill(slot, embeds[:5], trailing, greedy, 0, start=7, final=True)
+        engine.prefill(slot, embeds[:5], trailing, greedy, 0, start=len(embeds), final=True)
         for _ in range(frames):
             engine.step(slot + 1)
     for slot in range(slots):
         engine.release(slot)
     took = time.perf_counter() - t0
-    log.info("compiled decoder steps warm in %.1f s (%s)", took, compile_stats())
+    log.info("decoder steps warm in %.1f s (%s)", took, compile_stats())
     return took

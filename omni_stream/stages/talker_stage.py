@@ -357,6 +357,10 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
 
         compile_engine(stage.engine)
         warm_up(stage.engine)
+    elif spec.engine == "native":  # page the packed weights in (the pack cache is mapped)
+        from omni_stream.engine.compiled import warm_up
+
+        warm_up(stage.engine)
     if spec.cuda_graphs:  # StageSpec checked the device; the split placement is refused upstream
         assert cp_handles is None, "CUDA graphs need the code predictor in this process"
         stage.enable_graphs()
