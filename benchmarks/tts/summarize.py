@@ -434,10 +434,15 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
     if ws and isinstance(ws[1].get("cold_start_s"), (int, float)):
         rows = {r.get("start"): r for r in ws[1].get("rows", [])}
         warm = rows.get("warm", {})
-        detail = (f"model {ws[1].get('model')!r} {ws[1].get('server_args', '')}: launch to /health; "
-                  f"warm start compiled {warm.get('graphs_compiled')} graphs, loaded "
-                  f"{warm.get('graphs_from_cache')} from the cache; eager start "
-                  f"{ws[1].get('eager_start_s', float('nan')):.1f} s")
+        if ws[1].get("compile", True):
+            detail = (f"model {ws[1].get('model')!r} {ws[1].get('server_args', '')}: launch to "
+                      f"/health; warm start compiled {warm.get('graphs_compiled')} graphs, loaded "
+                      f"{warm.get('graphs_from_cache')} from the cache; eager start "
+                      f"{ws[1].get('eager_start_s') or float('nan'):.1f} s")
+        else:
+            detail = (f"model {ws[1].get('model')!r} {ws[1].get('server_args', '')}, the profile's "
+                      f"own engine (no --compile): launch to /health; cold = empty cache, warm = "
+                      f"the cache the cold start left (packed weights, CPU runtime build)")
         put("cold_start_s", ws[1]["cold_start_s"], ws[0], ws[1], detail)
         put("warm_start_s", ws[1]["warm_start_s"], ws[0], ws[1], detail)
     else:
