@@ -104,24 +104,26 @@ def run_official(model: Path, texts: list[str], frames: int, dtype: str, threads
 
 
 def run_ours(model: Path, texts: list[str], frames: int, dtype: str, threads: int,
-             chunk: int) -> dict[str, dict]:
+             chunk: int, engine: str = "torch", weight_path: str | None = None) -> dict[str, dict]:
     """Per text id: frames, generate_s, ms_per_frame, decode (one pass, streaming) per frame."""
     import torch
 
-    from omni_stream.checkpoints.io import load_model
     from omni_stream.models.code2wav import Code2WavStream
     from omni_stream.models.prompt import PromptRequest
     from omni_stream.engine.sampling import SamplingParams
     from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(threads)
-    m = load_model(model, dtype=getattr(torch, dtype))
+    from omni_stream.engine.loading import attach_engine, load_for_engine
+
+    m = load_for_engine(model, getattr(torch, dtype), "cpu", weight_path, engine)
     variant, speaker, instruct = _voice(model)
     reqs = [PromptRequest(text=t, language=LANGUAGE, speaker=speaker, instructions=instruct)
             for t in texts]
     probe = Synthesizer(m, max_seq_len=8)
     longest = max(probe.builder.build(r).length for r in reqs)
     synth = Synthesizer(m, max_seq_len=longest + frames + 1)
+    attach_engine(synth.engine, engine, weight_path, threads)  # no-op for the torch engine
     del probe
     params = SamplingParams()  # the official sampling defaults
 
@@ -208,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=48, help="max_new_tokens on both sides")
     ap.add_argument("--texts", type=int, default=3, help="how many of stream_latency_bench.TEXTS")
     ap.add_argument("--chunk", type=int, default=4, help="frames per Code2WavStream call")
+    ap.add_argument("--engine", default="torch", choices=("torch", "native"),
+                    help="omni-stream's decode-step engine (native: the CPU runtime)")
+    ap.add_argument("--weight-path", default=None, choices=("bf16", "fp32", "int8", "int4"),
+                    help="omni-stream's talker / code-predictor weights (the official side "
+                         "always runs --dtype)")
     ap.add_argument("--out", default=str(RESULTS / "official_compare.json"))
     args = ap.parse_args(argv)
     if not 1 <= args.texts <= len(TEXTS):
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     off = run_official(model, texts, args.frames, dtype, args.threads, out.with_suffix(".official.log"))
-    ours = run_ours(model, texts, args.frames, dtype, args.threads, args.chunk)
+    ours = run_ours(model, texts, args.frames, dtype, args.threads, args.chunk, args.engine,
+                    args.weight_path)
     rows = compare(texts, off, ours)
     print(table(rows, args.chunk))
     summary = dict(
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
           ", ".join(f"{k} {v:.2f}" for k, v in summary.items() if v is not None))
     doc = dict(
         benchmark="official_compare", model=str(model), dtype=dtype, threads=args.threads,
+        engine=args.engine, weight_path=args.weight_path,
         max_new_tokens=args.frames, chunk=args.chunk, language=LANGUAGE, sampling="official defaults",
         **summary, rows=rows,
         notes=["ms_per_frame = generate wall time (prefill + frames, no codec) / frames, both sides",

@@ -329,8 +329,9 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
     oc, fb = newest("official_compare*.json"), newest("frame_bench*.json")
     if oc and isinstance(oc[1].get("speedup_vs_official_per_frame"), (int, float)):
         put("speedup_vs_official_per_frame", oc[1]["speedup_vs_official_per_frame"], oc[0], oc[1],
-            f"median over texts of official / ours ms per frame ({oc[1].get('dtype')}, "
-            f"{oc[1].get('threads')} threads)")
+            f"median over texts of official / ours ms per frame (decode steps, no codec; "
+            f"official {oc[1].get('dtype')}, ours engine {oc[1].get('engine', 'torch')} weight "
+            f"path {oc[1].get('weight_path') or oc[1].get('dtype')}; {oc[1].get('threads')} threads)")
     elif fb and isinstance(fb[1].get("best", {}).get("bf16", {}).get("speedup"), (int, float)):
         put("speedup_vs_official_per_frame", fb[1]["best"]["bf16"]["speedup"], fb[0], fb[1],
             "fallback: frame_bench best bf16 speedup (each side at its best thread count)")
