@@ -129,6 +129,15 @@ def test_packed_weights_kept_on_disk_give_the_same_codes(tiny_model, tmp_path, c
     engine("q4")
     assert "ignoring the pack cache" in caplog.text
     assert native.PackCache._read(path)  # rewritten whole
+    # the folder keeps the most recently used files only
+    import os
+    for i in range(6):
+        old = tmp_path / f"old{i}.safetensors"
+        old.write_bytes(b"x")
+        os.utime(old, ns=(i, i))
+    native.PackCache.prune(tmp_path, 4)
+    left = sorted(f.name for f in tmp_path.glob("*.safetensors"))
+    assert left == ["old3.safetensors", "old4.safetensors", "old5.safetensors", "packed.safetensors"]
 
 
 def test_offline_synthesis_runs_on_the_runtime(tiny_ckpt):

@@ -323,6 +323,7 @@ class PackCache:
     a file that does not fit (or does not read) is ignored with a warning and rewritten."""
 
     VERSION = 1
+    KEEP = 4  # files kept in the folder: the most recently used (a new one prunes the oldest)
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -332,6 +333,7 @@ class PackCache:
         if path is not None and path.is_file():
             try:
                 self.loaded = self._read(path)
+                os.utime(path)  # recently used: kept when the folder is pruned
             except Exception as e:  # unreadable or of another layout: pack afresh
                 log.warning("ignoring the pack cache %s: %s", path, e)
 
@@ -383,6 +385,19 @@ class PackCache:
         except OSError as e:  # a full or read-only disk: the next start packs again
             log.warning("could not write the pack cache %s: %s", self.path, e)
             tmp.unlink(missing_ok=True)
+            return
+        self.prune(self.path.parent, self.KEEP)
+
+    @staticmethod
+    def prune(folder: Path, keep: int) -> None:
+        """Delete all but the ``keep`` most recently used pack files of ``folder`` (each is the
+        size of the packed model: other checkpoints, old versions of one, other weight paths)."""
+        files = sorted(folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+        for f in files[keep:]:
+            try:
+                f.unlink()
+            except OSError:
+                pass
 
 
 class _Repack(Exception):
