@@ -227,7 +227,7 @@ def test_codec_frame_streams_follow_the_audio_chunk_schedule(codec, monkeypatch)
     assert stage.stats()["streams"] == 0 and not math.isnan(stage.stats()["decode_ms_per_frame"])
 
 
-def _two_offset_streams(codec, monkeypatch, piggyback: bool):
+def _two_offset_streams(codec, monkeypatch, piggyback: bool, requested_first: bool = False):
     """Two audio streams fed one frame per talker step, the second joining three steps later;
     returns (the stage, each stream's (pcm, flags) chunks, each stream's frames)."""
     from omni_stream.scheduling.chunking import ChunkPolicy
@@ -249,6 +249,8 @@ def _two_offset_streams(codec, monkeypatch, piggyback: bool):
     frames = {1: rng.integers(0, 2048, (23, 16), dtype=np.int64),
               2: rng.integers(0, 2048, (17, 16), dtype=np.int64)}
     policies = {1: ChunkPolicy(first=1, steady=2), 2: ChunkPolicy(first=2, steady=8)}
+    if requested_first:  # stream 2's first size is a request's initial_codec_chunk_frames
+        policies[2] = ChunkPolicy(first=1, steady=8).starting_at(2)
     starts, sent = {1: 0, 2: 3}, {1: 0, 2: 0}
     for step in range(40):
         for sid in (1, 2):
@@ -280,6 +282,9 @@ def test_streams_not_due_join_a_decode_of_their_length(codec, monkeypatch):
     assert stage.calls < alone.calls, (stage.calls, alone.calls)
     # first sizes kept: stream 1 alone (1), stream 2 beside stream 1 (its 2, plus one)
     assert len(chunks[1][0][0]) == 1920 and len(chunks[2][0][0]) >= 3 * 1920
+    # a first size the request asked for is kept as it is, beside other streams too
+    _, asked, _ = _two_offset_streams(codec, monkeypatch, piggyback=True, requested_first=True)
+    assert len(asked[2][0][0]) == 2 * 1920
     for sid in (1, 2):
         pcm = np.concatenate([p for p, _ in chunks[sid]])
         with torch.no_grad():

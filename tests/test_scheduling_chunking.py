@@ -81,7 +81,7 @@ def test_one_growth_rule_for_every_growth_and_start():
                 assert b == min(16, 2 * a, max(a + 1, int(a * growth)))
     q = ChunkPolicy(first=1, steady=4).starting_at(6)
     assert (q.first, q.steady, q.growth) == (6, 6, 2.0)
-    assert ChunkPolicy(first=1, steady=8).starting_at(3) == ChunkPolicy(first=3, steady=8)
+    assert ChunkPolicy(first=1, steady=8).starting_at(3) == ChunkPolicy(first=3, steady=8, first_requested=True)
 
 
 def test_policy_is_a_frozen_msgspec_struct_that_validates_on_decode():

@@ -49,6 +49,7 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     growth: float = 2.0
     min_slack_s: float = 0.16
     audio_frame_s: float = FRAME_AUDIO_S
+    first_requested: bool = False  # ``first`` is a request's own: the server does not adjust it
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.steady < self.first:
@@ -61,7 +62,8 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def starting_at(self, first: int) -> "ChunkPolicy":
         """This policy with a first chunk of ``first`` frames (a request's
         ``initial_codec_chunk_frames``); ``steady`` is raised to ``first`` if it is smaller."""
-        return msgspec.structs.replace(self, first=first, steady=max(self.steady, first))
+        return msgspec.structs.replace(self, first=first, steady=max(self.steady, first),
+                                       first_requested=True)
 
     def grow(self, prev: int) -> int:
         """The ramp's next size after ``prev``: x growth (at least +1), at most x2 and steady."""
