@@ -104,7 +104,7 @@ DEFAULT_GEMM_MIN_CHANNELS = 768
 def onednn_packing_available(w: Tensor) -> bool:
     """oneDNN's prepacked bf16 kernels apply: a CPU bf16 weight and a torch built with them."""
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
@@ -127,13 +127,9 @@ def _conv1d_gemm(x: Tensor, w: Tensor, b: Tensor | None, dilation: int,
     ``packed``: w as a linear weight in oneDNN's layout (``CausalConv1d.pack``)."""
     bsz, c, _ = x.shape
     cout, _, k = w.shape
-    if k == 1:
-        cols = x.transpose(1, 2).reshape(-1, c)
-        n = x.shape[2]
-    else:
-        cols = x.unfold(2, (k - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, L, k]
-        n = cols.shape[2]
-        cols = cols.permute(0, 2, 1, 3).reshape(bsz * n, c * k)
+    cols = x.unfold(2, (k - 1) * dilation + 1, 1)[..., ::dilation]  # [B, C, L, k]
+    n = cols.shape[2]
+    cols = cols.permute(0, 2, 1, 3).reshape(bsz * n, c * k)
     if packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(cols, packed, b, "none", [], "")
     else:
@@ -221,7 +217,6 @@ class CausalTransConv1d(nn.Module):
         self.gemm = False  # streaming kernel, chosen by Code2Wav
         self.state_id = -1
         self.packed: Tensor | None = None  # streaming weight in oneDNN's layout (Code2Wav.pack)
-        self.pointwise: Tensor | None = None  # a narrow 1x1 conv's [C', C] (Code2Wav.pack)
 
     def pack(self) -> None:
         w = self.conv.weight.detach()  # [C, C', k]: as a linear map C -> C' k, packed

@@ -352,15 +352,12 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
         lease = CoreLease.open(frames_handle.path, LEASE_OFF)
     attach_engine(stage.engine, spec.engine, spec.weight_path, spec.threads,
                   lent_cpus=spec.lent_cpus, lease=lease, model_path=spec.model_path)
-    if spec.compile:
+    if spec.compile or spec.engine == "native":
         from omni_stream.engine.compiled import compile_engine, warm_up
 
-        compile_engine(stage.engine)
-        warm_up(stage.engine)
-    elif spec.engine == "native":  # page the packed weights in (the pack cache is mapped)
-        from omni_stream.engine.compiled import warm_up
-
-        warm_up(stage.engine)
+        if spec.compile:
+            compile_engine(stage.engine)
+        warm_up(stage.engine)  # compiles (or loads) the graphs; pages the packed weights in
     if spec.cuda_graphs:  # StageSpec checked the device; the split placement is refused upstream
         assert cp_handles is None, "CUDA graphs need the code predictor in this process"
         stage.enable_graphs()

@@ -325,12 +325,13 @@ class PackCache:
     VERSION = 1
     KEEP = 4  # files kept in the folder: the most recently used (a new one prunes the oldest)
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, read: bool = True) -> None:
+        """``read`` False: pack afresh and (over)write ``path``."""
         self.path = path
         self.loaded: list[tuple[dict, list[torch.Tensor]]] | None = None
         self.made: list[PackedLinear] = []
         self.i = 0
-        if path is not None and path.is_file():
+        if read and path is not None and path.is_file():
             try:
                 self.loaded = self._read(path)
                 os.utime(path)  # recently used: kept when the folder is pruned
@@ -355,8 +356,9 @@ class PackCache:
             want = dict(kind=KINDS[kind_for(n, k, kind)], n=n, k=k, bias=bias is not None)
             got = self.loaded[self.i][0] if self.i < len(self.loaded) else None
             if got is not None and all(got[key] == v for key, v in want.items()):
+                tensors = self.loaded[self.i][1]
                 self.i += 1
-                return PackedLinear.from_tensors(got, self.loaded[self.i - 1][1])
+                return PackedLinear.from_tensors(got, tensors)
             log.warning("the pack cache %s does not fit this model (product %d): packing afresh",
                         self.path, self.i)
             self.loaded = None
@@ -470,7 +472,7 @@ class NativeRunner:
         try:
             self._pack(engine, talker_kind, cp_kind, PackCache(pack_cache))
         except _Repack:  # the cache file did not fit: pack everything and rewrite it
-            self._pack(engine, talker_kind, cp_kind, PackCache(None), write_to=pack_cache)
+            self._pack(engine, talker_kind, cp_kind, PackCache(pack_cache, read=False))
         heads = (OcLinear * len(self.cp_heads))(*[h.struct for h in self.cp_heads])
         emb_dtype = t.model.codec_embedding.weight.dtype
         tables = [t.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
@@ -492,11 +494,8 @@ class NativeRunner:
         self.engine = engine
         self.kinds = (talker_kind, cp_kind)
 
-    def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache,
-              write_to: Path | None = None) -> None:
+    def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache) -> None:
         t, cp = engine.talker, engine.talker.code_predictor
-        if write_to is not None:
-            packs.path = write_to
         self.talker = NativeStack(t.model, engine.kv.layers, talker_kind, packs)
         self.head = pack_linear(t.codec_head, talker_kind, packs)
         self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind, packs)

@@ -287,9 +287,11 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       for (size_t i = 0; i < s.x8.size(); i++) s.x8[i] = (int8_t)(uint8_t)(s.x8[i] + 128);
 #endif
     const int nblocks = L.n / 16;
+    bool tiles = false;
 #if OC_AMX
     // many rows: AMX tiles (the activations padded with zero rows to whole tiles)
-    if (L.kind == 0 && L.group == 64 && m >= kAmxMinRows && amx_enabled()) {
+    tiles = L.kind == 0 && L.group == 64 && m >= kAmxMinRows && amx_enabled();
+    if (tiles) {
       const int mp = (m + 15) / 16 * 16;
       s.x8.resize((size_t)mp * L.k, 0);
       s.xs.resize(mp, 0.f);
@@ -299,18 +301,15 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
         split(nblocks, pool->active(), t, &b0, &b1);
         if (b0 >= b1) return;
         amx_configure();
-        std::vector<float> acc((size_t)mp * 16);
+        thread_local std::vector<float> acc;  // per-thread scratch, kept between calls
+        acc.resize((size_t)mp * 16);
         for (int64_t nb = b0; nb < b1; nb++)
           q4_block_amx(L, s.x8.data(), s.xs.data(), s.gsum.data(), m, nb, acc.data(), y, L.n);
         _tile_release();
       });
-      if (L.bias)
-        for (int r = 0; r < m; r++)
-          for (int n = 0; n < L.n; n++) y[(int64_t)r * L.n + n] += L.bias[n];
-      return;
     }
 #endif
-    pool->run([&](int t) {
+    if (!tiles) pool->run([&](int t) {
       int64_t b0, b1;
       split(nblocks, pool->active(), t, &b0, &b1);
 #if OC_VNNI
