@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 
 import pytest
 
-from omni_stream.scheduling.chunking import (CalibrationCache, ChunkPolicy, calibrate,
-                                             fit_chunk_costs)
+from omni_stream.scheduling.chunking import ChunkPolicy, calibrate, fit_chunk_costs
 from omni_stream.scheduling.fingerprint import fingerprint_info, hardware_fingerprint
 
 
@@ -147,38 +145,6 @@ def test_calibration_needs_two_sizes():
         fit_chunk_costs([(1, 0.0), (2, 1.0), (4, 0.5)])
 
 
-def test_calibration_cache_roundtrip_and_fingerprint_invalidation(tmp_path):
-    policy = ChunkPolicy(first=2, steady=12, growth=1.5, min_slack_s=0.2)
-    a = CalibrationCache(tmp_path, fingerprint="aaaa000011112222")
-    assert a.load() is None
-    a.store(policy, per_frame_s=0.05)
-    assert a.load() == policy
-    assert CalibrationCache(tmp_path, fingerprint="aaaa000011112222").load() == policy  # restart
-    b = CalibrationCache(tmp_path, fingerprint="bbbb000011112222")  # other hardware
-    assert b.load() is None
-    b.store(ChunkPolicy())
-    assert b.load() == ChunkPolicy() and a.load() == policy  # each machine keeps its own
-    assert b.prune_others() == 1 and a.load() is None and b.load() == ChunkPolicy()
-    assert b.invalidate() and b.load() is None and not b.invalidate()
-
-
-def test_calibration_cache_rejects_foreign_or_broken_files(tmp_path):
-    c = CalibrationCache(tmp_path, fingerprint="cccc")
-    c.store(ChunkPolicy(first=1, steady=4))
-    data = json.loads(c.path.read_text())
-    data["fingerprint"] = "dddd"  # a file copied from other hardware under this name
-    c.path.write_text(json.dumps(data))
-    assert c.load() is None
-    data["fingerprint"], data["version"] = "cccc", 99
-    c.path.write_text(json.dumps(data))
-    assert c.load() is None
-    c.path.write_text("{not json")
-    assert c.load() is None
-    data["version"], data["policy"] = 1, {"first": 9, "steady": 2, "growth": 2, "min_slack_s": 0}
-    c.path.write_text(json.dumps(data))
-    assert c.load() is None  # invalid policy values
-
-
 def test_hardware_fingerprint_is_stable_and_tracks_relevant_changes():
     info = fingerprint_info()
     assert {"cpu_model", "cpu_count", "isa", "ram_gib", "torch", "gpus"} <= set(info)
@@ -193,4 +159,3 @@ def test_hardware_fingerprint_is_stable_and_tracks_relevant_changes():
         fingerprint_info({"isa": ["avx2", "avx512f"]}))
     assert hardware_fingerprint({**info, "gpus": ["NVIDIA H200"]}) != fp
     assert hardware_fingerprint({**info, "torch": "0.0"}) != fp
-    assert CalibrationCache("/nonexistent-dir").fingerprint == hardware_fingerprint()

@@ -145,7 +145,7 @@ DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory
 # Calibration may only set the chunk policy; ChunkPolicy's own names are accepted too.
 CALIBRATION_KEYS = {"first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
                     "first": "first_chunk", "steady": "steady_chunk"}
-CHUNK_POLICY_ONLY = frozenset({"growth", "min_slack_s", "audio_frame_s",
+CHUNK_POLICY_ONLY = frozenset({"growth", "min_slack_s", "audio_frame_s", "hold_s",
                                "first_requested"})  # not profile fields
 
 

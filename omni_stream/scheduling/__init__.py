@@ -6,7 +6,8 @@ functions and small classes (see shared/design/architecture.md, "Scheduling poli
 """
 
 from omni_stream.scheduling.admission import AdmissionController, Rejected, Ticket
-from omni_stream.scheduling.chunking import (CalibrationCache, ChunkCostFit, ChunkPolicy, calibrate,
+from omni_stream.scheduling.capacity import Capacity, CapacityTracker, CostCache, MachineCosts
+from omni_stream.scheduling.chunking import (ChunkCostFit, ChunkPolicy, calibrate, calibrate_fit,
                                              fit_chunk_costs)
 from omni_stream.scheduling.fingerprint import fingerprint_info, hardware_fingerprint
 from omni_stream.scheduling.kv_budget import (KVBudget, KVCost, KVGeometry,
@@ -16,7 +17,8 @@ from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, P
                                              RunningStream, decide_prefill, slack_s)
 
 __all__ = [
-    "Action", "AdmissionController", "CalibrationCache", "ChunkCostFit", "ChunkPolicy",
+    "Action", "AdmissionController", "Capacity", "CapacityTracker", "ChunkCostFit", "ChunkPolicy",
+    "CostCache", "MachineCosts", "calibrate_fit",
     "Decision", "KVBudget", "KVCost", "KVGeometry", "PendingPrefill", "PrefillCostModel",
     "Rejected", "RunningStream", "Ticket", "calibrate", "code_predictor_scratch_bytes",
     "decide_prefill", "fingerprint_info", "fit_chunk_costs", "hardware_fingerprint",

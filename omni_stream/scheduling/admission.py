@@ -150,6 +150,17 @@ class AdmissionController:
     def mean_stream_s(self) -> float:
         return self._mean_s
 
+    def set_capacity(self, streams: int) -> None:
+        """The streams admitted at once from now on (the measured real-time capacity). A lower
+        value takes nothing from admitted streams: it only stops admissions until enough of
+        them have ended; a higher one admits whoever waits and now fits."""
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 0:
+            raise ValueError(f"capacity must be an integer >= 0, got {streams!r}")
+        raise_ = streams > self.max_streams
+        self.max_streams = streams
+        if raise_:
+            self._pump()
+
     def is_admitted(self, req_id: Hashable) -> bool:
         return req_id in self._running
 

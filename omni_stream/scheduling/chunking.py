@@ -15,20 +15,16 @@ This is the one chunk-schedule type: the orchestrator sends it to the codec stag
 ``AddStream`` / ``StreamStart`` (a msgspec struct, so it crosses processes as msgpack), the codec
 stage sizes every chunk with ``next_chunk``, and the fake backend ramps with ``ramp``.
 
-``calibrate`` picks the parameters from measured chunk arrivals, and ``CalibrationCache`` keeps
-them per hardware fingerprint so a restart on the same machine does not recalibrate.
+``calibrate_fit`` picks the parameters from chunk costs: the server's come from its one timing
+model (``scheduling.capacity``: measured per deployment and cached), ``calibrate`` fits them to
+measured chunk arrivals.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import msgspec
@@ -50,6 +46,9 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_slack_s: float = 0.16
     audio_frame_s: float = FRAME_AUDIO_S
     first_requested: bool = False  # ``first`` is a request's own: the server does not adjust it
+    # the listener starts playing this long after the first chunk (the server's hold-back on a
+    # machine slower than real time): that much more audio is buffered than sent minus played
+    hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first < 1 or self.steady < self.first:
@@ -58,12 +57,18 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"growth must be in [1, {MAX_GROWTH}], got {self.growth}")
         if self.min_slack_s < 0 or self.audio_frame_s <= 0:
             raise ValueError("min_slack_s must be >= 0 and audio_frame_s > 0")
+        if not (math.isfinite(self.hold_s) and self.hold_s >= 0):
+            raise ValueError(f"hold_s must be a finite number >= 0, got {self.hold_s}")
 
     def starting_at(self, first: int) -> "ChunkPolicy":
         """This policy with a first chunk of ``first`` frames (a request's
         ``initial_codec_chunk_frames``); ``steady`` is raised to ``first`` if it is smaller."""
         return msgspec.structs.replace(self, first=first, steady=max(self.steady, first),
                                        first_requested=True)
+
+    def held(self, hold_s: float) -> "ChunkPolicy":
+        """This policy for a stream whose first audio is held back ``hold_s`` seconds."""
+        return msgspec.structs.replace(self, hold_s=hold_s)
 
     def grow(self, prev: int) -> int:
         """The ramp's next size after ``prev``: x growth (at least +1), at most x2 and steady."""
@@ -138,11 +143,18 @@ def fit_chunk_costs(arrivals: Sequence[tuple[int, float]]) -> ChunkCostFit:
     return ChunkCostFit(per_chunk_s=a, per_frame_s=b, residual_s=rms, samples=len(xs))
 
 
-def calibrate(arrivals: Sequence[tuple[int, float]], *, audio_frame_s: float = FRAME_AUDIO_S,
-              target_rtf: float = 0.8, max_first: int = 2, max_steady: int = 32,
-              growth: float = MAX_GROWTH, min_slack_floor_s: float = 0.08,
-              jitter_sigmas: float = 3.0, min_steady: int = 1) -> ChunkPolicy:
-    """Chunk-policy parameters from measured chunk arrivals (see ``fit_chunk_costs``).
+def calibrate(arrivals: Sequence[tuple[int, float]], **kw: Any) -> ChunkPolicy:
+    """``calibrate_fit`` of the costs fitted to measured chunk arrivals (``fit_chunk_costs``)."""
+    return calibrate_fit(fit_chunk_costs(arrivals), **kw)
+
+
+def calibrate_fit(fit: ChunkCostFit, *, audio_frame_s: float = FRAME_AUDIO_S,
+                  target_rtf: float = 0.8, max_first: int = 2, max_steady: int = 32,
+                  growth: float = MAX_GROWTH, min_slack_floor_s: float = 0.08,
+                  jitter_sigmas: float = 3.0, min_steady: int = 1) -> ChunkPolicy:
+    """Chunk-policy parameters from chunk costs (a chunk of n frames arrives ~ per_chunk_s +
+    n x per_frame_s after the previous one). The server's costs come from one timing model
+    (``scheduling.capacity.chunk_policy``); ``calibrate`` fits them to arrivals.
 
     - steady: the smallest size >= ``min_steady`` whose cost per frame of audio, (per_chunk +
       n per_frame) / (n audio_frame_s), stays within ``target_rtf`` (the real-time margin);
@@ -155,7 +167,6 @@ def calibrate(arrivals: Sequence[tuple[int, float]], *, audio_frame_s: float = F
     - min_slack_s: ``jitter_sigmas`` x the RMS residual of the fit, at least the floor."""
     if not 0 < target_rtf <= 1:
         raise ValueError(f"target_rtf must be in (0, 1], got {target_rtf}")
-    fit = fit_chunk_costs(arrivals)
     room = target_rtf * audio_frame_s - fit.per_frame_s
     if room <= 0:
         log.warning("per-frame cost %.1f ms exceeds %.0f%% of real time: no chunk size keeps "
@@ -177,80 +188,6 @@ def calibrate(arrivals: Sequence[tuple[int, float]], *, audio_frame_s: float = F
                        audio_frame_s=audio_frame_s)
 
 
-class CalibrationCache:
-    """Calibrated ``ChunkPolicy`` as JSON, one file per hardware fingerprint in ``directory``.
-
-    ``load()`` returns None (recalibrate) when there is no file for this fingerprint, or the file
-    is unreadable, of another schema, or records another fingerprint: a policy is never applied
-    to hardware it was not measured on. Writes are atomic (temp file + rename)."""
-
-    VERSION = 1
-
-    def __init__(self, directory: str | os.PathLike, fingerprint: str | None = None) -> None:
-        if fingerprint is None:
-            from omni_stream.scheduling.fingerprint import hardware_fingerprint
-
-            fingerprint = hardware_fingerprint()
-        self.directory = Path(directory)
-        self.fingerprint = fingerprint
-
-    @property
-    def path(self) -> Path:
-        return self.directory / f"chunk-policy-{self.fingerprint}.json"
-
-    def load(self) -> ChunkPolicy | None:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable chunk calibration %s: %s", self.path, e)
-            return None
-        if not isinstance(data, dict) or data.get("version") != self.VERSION:
-            log.info("chunk calibration %s is of another schema: recalibrating", self.path)
-            return None
-        if data.get("fingerprint") != self.fingerprint:
-            log.info("chunk calibration %s was measured on other hardware: recalibrating", self.path)
-            return None
-        try:
-            return ChunkPolicy.from_dict(data["policy"])
-        except (KeyError, TypeError, ValueError) as e:
-            log.warning("ignoring invalid chunk calibration %s: %s", self.path, e)
-            return None
-
-    def store(self, policy: ChunkPolicy, **meta: Any) -> Path:
-        """Write ``policy`` (and JSON-able ``meta``, e.g. the fit) for this fingerprint."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        data = dict(version=self.VERSION, fingerprint=self.fingerprint, created_unix=time.time(),
-                    policy=policy.to_dict(), meta=meta)
-        fd, tmp = tempfile.mkstemp(prefix=".chunk-policy-", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True, default=str)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return self.path
-
-    def invalidate(self) -> bool:
-        """Drop this fingerprint's calibration; True if there was one."""
-        try:
-            self.path.unlink()
-            return True
-        except FileNotFoundError:
-            return False
-
-    def prune_others(self) -> int:
-        """Delete calibrations of other fingerprints (a directory shared between machines keeps
-        them otherwise); returns how many."""
-        n = 0
-        for p in self.directory.glob("chunk-policy-*.json"):
-            if p != self.path:
-                p.unlink(missing_ok=True)
-                n += 1
-        return n
-
-
-__all__ = ["CalibrationCache", "ChunkCostFit", "ChunkPolicy", "calibrate", "fit_chunk_costs",
+__all__ = ["ChunkCostFit", "ChunkPolicy", "calibrate", "calibrate_fit",
+           "fit_chunk_costs",
            "FRAME_AUDIO_S", "MAX_GROWTH"]

@@ -1,0 +1,399 @@
+"""What a frame costs on this machine, and what follows from it: capacity, RTF, hold-back.
+
+One timing model (``MachineCosts``) feeds every promise the server makes about streaming:
+
+- admission: how many streams run at once (``capacity``);
+- the chunk schedule: first and steady chunk sizes (``chunk_policy``);
+- the prefill throttle: the prefill cost model and the decode-step time the talker starts from;
+- the hold-back: how long a stream's first audio waits when even one stream is slower than
+  real time (``holdback_s``).
+
+The costs are measured once per deployment fingerprint at start-up (``orchestrator.measure``):
+the talker + code-predictor frame step alone at each batch size, Code2Wav calls per chunk size
+and batch, the prefill, the memory read bandwidth; then short probe streams through the real
+pipeline give ``contention``, the ratio of the wall time per frame they saw to what the parts
+alone predict (cores the codec lends the talker, memory bandwidth both stages share). The
+running server keeps ``contention`` current from its own chunk arrivals
+(``CapacityTracker``): a noisy neighbour raises it, capacity follows within seconds, with
+hysteresis, and never by failing a stream that runs.
+
+Per-frame wall time with ``n`` streams (every stream gets one frame per step):
+
+    talker(n) = frame_s[n - 1]                                  (measured; extrapolated past it)
+    codec(n)  = (codec_call_s + codec_frame_s x steady x n) / steady   (one batched call per
+                                                                 ``steady`` frames of n streams)
+    T(n)      = contention x (talker(n) + codec(n))   where the codec shares the talker's cores
+              = contention x max(talker(n), codec(n)) where it has cores of its own
+
+A stream is real time when T(n) <= margin x 80 ms. ``DEFAULT_MARGIN`` 0.85 keeps 15 % for the
+jitter of a shared host, the prefills the throttle lets in and the ramp's small first chunks
+(whose codec calls cost more per frame than the steady chunk's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from omni_stream.scheduling.chunking import ChunkCostFit, ChunkPolicy, calibrate_fit
+
+log = logging.getLogger(__name__)
+
+FRAME_S = 0.08  # audio per 12.5 Hz codec frame
+DEFAULT_MARGIN = 0.85
+# capacity rises only while T(capacity + 1) stays this far under the margin (hysteresis band)
+RAISE_BAND = 0.05
+MAX_HOLDBACK_S = 600.0
+
+
+class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Measured costs of one deployment (seconds). ``frame_s[i]``: one talker + code-predictor
+    frame step with ``i + 1`` streams; codec call = ``codec_call_s + codec_frame_s x rows``
+    (rows = frames x streams in the call); prefill = ``prefill_fixed_s + prefill_token_s x
+    tokens``. ``shared_cores``: the codec runs on the talker's cores (lent cores, or no
+    pinning on a small CPU), so their times add. ``contention`` >= 0: measured wall time per
+    frame over the model of the parts (1 = the parts alone). ``bandwidth_gbs`` /
+    ``bandwidth_1t_gbs``: memory read bandwidth with the talker's threads / one thread (0:
+    not measured)."""
+
+    frame_s: tuple[float, ...]
+    codec_call_s: float = 0.0
+    codec_frame_s: float = 0.0
+    prefill_fixed_s: float = 0.0
+    prefill_token_s: float = 0.0
+    shared_cores: bool = True
+    contention: float = 1.0
+    bandwidth_gbs: float = 0.0
+    bandwidth_1t_gbs: float = 0.0
+    measured_unix: float = 0.0
+    emulated: bool = False  # measured under OMNI_STREAM_EMULATE_COSTS (never cached)
+
+    def __post_init__(self) -> None:
+        if not self.frame_s:
+            raise ValueError("frame_s needs the cost of at least one batch size")
+        for name in ("codec_call_s", "codec_frame_s", "prefill_fixed_s", "prefill_token_s",
+                     "contention", "bandwidth_gbs", "bandwidth_1t_gbs"):
+            _check_cost(name, getattr(self, name))
+        for i, v in enumerate(self.frame_s):
+            _check_cost(f"frame_s[{i}]", v)
+
+    # ------------------------------------------------------------------ the model
+    def talker_s(self, n: int) -> float:
+        """The frame step alone with ``n`` streams; past the measured sizes, the last two
+        points' slope (never less than the last point)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        f = self.frame_s
+        if n <= len(f):
+            return f[n - 1]
+        slope = max(0.0, f[-1] - f[-2]) if len(f) > 1 else f[-1]
+        return f[-1] + slope * (n - len(f)) if math.isfinite(slope) else math.inf
+
+    def codec_s(self, n: int, steady: int) -> float:
+        """Code2Wav time per frame step of ``n`` streams decoded ``steady`` frames at a time."""
+        if n < 1 or steady < 1:
+            raise ValueError(f"n and steady must be >= 1, got {n}, {steady}")
+        return (self.codec_call_s + self.codec_frame_s * steady * n) / steady
+
+    def frame_time_s(self, n: int, steady: int, contention: float | None = None) -> float:
+        """Wall time per frame with ``n`` streams (the module docstring's T(n))."""
+        k = self.contention if contention is None else contention
+        t, c = self.talker_s(n), self.codec_s(n, steady)
+        parts = t + c if self.shared_cores else max(t, c)
+        if k == 0 or parts == 0:
+            return 0.0
+        return k * parts
+
+    def rtf(self, n: int = 1, steady: int = 8, contention: float | None = None) -> float:
+        """Seconds to make one second of audio per stream with ``n`` streams."""
+        return self.frame_time_s(n, steady, contention) / FRAME_S
+
+    def with_contention(self, contention: float) -> "MachineCosts":
+        return msgspec.structs.replace(self, contention=contention)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = msgspec.structs.asdict(self)
+        d["frame_s"] = list(self.frame_s)
+        return d
+
+
+def _check_cost(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        raise ValueError(f"{name} must be a number >= 0 (inf allowed), got {v!r}")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """``streams`` admitted at once; ``realtime``: each of them keeps the margin (False: even
+    one stream is slower than real time, and is served with a hold-back); ``rtf``: one
+    stream's RTF at these settings; ``limit``: what bounds ``streams`` ('speed', 'slots',
+    'kv', 'none')."""
+
+    streams: int
+    realtime: bool
+    rtf: float
+    limit: str
+
+
+def capacity(costs: MachineCosts, *, slots: int, kv_streams: int | None = None,
+             steady: int = 8, margin: float = DEFAULT_MARGIN,
+             contention: float | None = None) -> Capacity:
+    """The most streams (<= ``slots`` and <= ``kv_streams``) whose frames all keep
+    T(n) <= margin x 80 ms. When not even one does, 1 stream (served with a hold-back,
+    ``realtime`` False), or 0 when a frame never finishes (infinite cost) or there is no slot."""
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], got {margin}")
+    cap = slots if kv_streams is None else min(slots, kv_streams)
+    rtf1 = costs.rtf(1, steady, contention)
+    if cap < 1:
+        return Capacity(0, False, rtf1, "kv" if kv_streams is not None and kv_streams < slots
+                        else "slots")
+    budget = margin * FRAME_S
+    n = 0
+    while n < cap and costs.frame_time_s(n + 1, steady, contention) <= budget:
+        n += 1
+    if n == 0:
+        return Capacity(0 if math.isinf(rtf1) else 1, False, rtf1, "speed")
+    limit = "speed" if n < cap else ("kv" if kv_streams is not None and kv_streams < slots
+                                      else "slots")
+    return Capacity(n, True, rtf1, limit)
+
+
+def holdback_s(frame_time_s: float, frames: int, *, steady: int = 8,
+               margin: float = DEFAULT_MARGIN) -> float:
+    """How long a stream's first audio is held back so that ``frames`` frames made at
+    ``frame_time_s`` each play without a gap (0 when the frames keep real time with the margin).
+
+    Frame k is made at ~k x T' (T' = frame_time_s / margin, the margin covering jitter) and
+    played at H + k x 80 ms; the worst k is the last, so H = frames x (T' - 80 ms), plus one
+    steady chunk made at T' (audio leaves in chunks). Capped at ``MAX_HOLDBACK_S``."""
+    if frames < 0 or steady < 1:
+        raise ValueError(f"frames must be >= 0 and steady >= 1, got {frames}, {steady}")
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], got {margin}")
+    if math.isnan(frame_time_s) or frame_time_s < 0:
+        raise ValueError(f"frame_time_s must be >= 0, got {frame_time_s}")
+    t = frame_time_s / margin
+    if frames == 0 or t <= FRAME_S:
+        return 0.0
+    return min(MAX_HOLDBACK_S, frames * (t - FRAME_S) + min(steady, frames) * t)
+
+
+def chunk_policy(costs: MachineCosts, base: ChunkPolicy, *, margin: float = DEFAULT_MARGIN,
+                 jitter_s: float = 0.0) -> ChunkPolicy:
+    """The chunk schedule from the costs: a chunk of n frames arrives ~ per_chunk + n x
+    per_frame after the previous one, with per_chunk the Code2Wav call's fixed cost and
+    per_frame one stream's T(1) less that share. ``base``'s steady size is the floor
+    (``calibrate_fit``'s ``min_steady``: the steady chunk is never lowered)."""
+    per_frame = costs.frame_time_s(1, base.steady)
+    per_chunk = costs.contention * costs.codec_call_s
+    fit = ChunkCostFit(per_chunk_s=per_chunk,
+                       per_frame_s=max(0.0, per_frame - per_chunk / base.steady),
+                       residual_s=jitter_s, samples=0)
+    if not math.isfinite(fit.per_frame_s) or not math.isfinite(per_chunk):
+        return base
+    return calibrate_fit(fit, audio_frame_s=base.audio_frame_s, target_rtf=margin,
+                         max_first=max(2, base.first), min_steady=base.steady,
+                         growth=base.growth)
+
+
+# ---------------------------------------------------------------- kept current while serving
+
+
+class CapacityTracker:
+    """Keeps ``contention`` and the capacity current from the server's own per-frame times.
+
+    ``observe(n, seconds_per_frame, now)``: one stream's chunk arrived ``seconds_per_frame``
+    per frame after its previous one while ``n`` streams ran. The contention estimate is the
+    median, over the last ``window_s``, of observed / modelled T(n) (at least ``min_samples``
+    samples), never below ``floor`` (the start-up probe's, or 1). ``update(now)`` moves the
+    capacity: down once the lower value has held for ``down_s``, up once T(capacity + 1)
+    has stayed under (margin - RAISE_BAND) x 80 ms for ``up_s``. Admitted streams are never
+    touched: a lower capacity only stops new admissions until enough streams have ended."""
+
+    def __init__(self, costs: MachineCosts, *, slots: int, kv_streams: int | None = None,
+                 steady: int = 8, margin: float = DEFAULT_MARGIN, window_s: float = 4.0,
+                 min_samples: int = 4, down_s: float = 1.0, up_s: float = 5.0,
+                 floor: float | None = None) -> None:
+        self.costs = costs
+        self.slots, self.kv_streams, self.steady, self.margin = slots, kv_streams, steady, margin
+        self.window_s, self.min_samples, self.down_s, self.up_s = window_s, min_samples, down_s, up_s
+        self.floor = min(1.0, costs.contention) if floor is None else floor
+        self.contention = costs.contention
+        self._samples: deque[tuple[float, float]] = deque(maxlen=256)  # (time, ratio)
+        self.current = capacity(costs, slots=slots, kv_streams=kv_streams, steady=steady,
+                                margin=margin)
+        self._lower_since: float | None = None
+        self._raise_since: float | None = None
+        self.changes = 0
+
+    def observe(self, n: int, seconds_per_frame: float, now: float) -> None:
+        if n < 1 or not math.isfinite(seconds_per_frame) or seconds_per_frame < 0:
+            return
+        model = self.costs.frame_time_s(n, self.steady, contention=1.0)
+        if model <= 0 or not math.isfinite(model):
+            return
+        self._samples.append((now, seconds_per_frame / model))
+
+    def _estimate(self, now: float) -> float | None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        if len(self._samples) < self.min_samples:
+            return None
+        r = sorted(s for _, s in self._samples)
+        m = len(r) // 2
+        med = r[m] if len(r) % 2 else 0.5 * (r[m - 1] + r[m])
+        return max(self.floor, med)
+
+    def update(self, now: float) -> bool:
+        """Re-estimate; True when the capacity changed."""
+        est = self._estimate(now)
+        if est is not None:
+            self.contention = est
+        cand = capacity(self.costs, slots=self.slots, kv_streams=self.kv_streams,
+                        steady=self.steady, margin=self.margin, contention=self.contention)
+        cur = self.current
+        changed = False
+        if cand.streams < cur.streams:
+            self._raise_since = None
+            self._lower_since = now if self._lower_since is None else self._lower_since
+            if now - self._lower_since >= self.down_s:
+                self.current, changed, self._lower_since = cand, True, None
+        elif cand.streams > cur.streams:
+            self._lower_since = None
+            nxt = cur.streams + 1
+            room = (self.margin - RAISE_BAND) * FRAME_S
+            if self.costs.frame_time_s(nxt, self.steady, self.contention) <= room:
+                self._raise_since = now if self._raise_since is None else self._raise_since
+                if now - self._raise_since >= self.up_s:
+                    self.current = Capacity(nxt, True, cand.rtf,
+                                            cand.limit if nxt == cand.streams else "speed")
+                    changed, self._raise_since = True, None
+            else:
+                self._raise_since = None
+            if not changed:
+                self.current = Capacity(cur.streams, cur.realtime, cand.rtf, cur.limit)
+        else:
+            self._lower_since = self._raise_since = None
+            self.current = cand
+        if changed:
+            self.changes += 1
+        return changed
+
+    def rtf_estimate(self) -> float:
+        return self.costs.rtf(1, self.steady, self.contention)
+
+
+# ---------------------------------------------------------------- cache
+
+
+class CostCache:
+    """``MachineCosts`` as JSON, one file per deployment fingerprint in ``directory``
+    (``costs-<fingerprint>.json``). ``load()`` is None for a missing, unreadable, other-schema
+    or other-fingerprint file (measure again); writes are atomic (temp file + rename)."""
+
+    VERSION = 1
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: str) -> None:
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"costs-{self.fingerprint}.json"
+
+    def load(self) -> MachineCosts | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable cost file %s: %s", self.path, e)
+            return None
+        if (not isinstance(data, dict) or data.get("version") != self.VERSION
+                or data.get("fingerprint") != self.fingerprint):
+            log.info("cost file %s is of another schema or deployment: measuring again",
+                     self.path)
+            return None
+        try:
+            return msgspec.convert(data["costs"], MachineCosts)
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:
+            log.warning("ignoring invalid cost file %s: %s", self.path, e)
+            return None
+
+    def store(self, costs: MachineCosts) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        data = dict(version=self.VERSION, fingerprint=self.fingerprint, written_unix=time.time(),
+                    costs=costs.to_dict())
+        fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return self.path
+
+    def invalidate(self) -> bool:
+        try:
+            self.path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def format_costs(costs: MachineCosts, cap: Capacity, *, steady: int,
+                 margin: float = DEFAULT_MARGIN) -> str:
+    """Human-readable lines: bandwidth, frame costs per batch, codec, prefill, capacity."""
+    ms = lambda s: "inf" if math.isinf(s) else f"{1e3 * s:.1f}"  # noqa: E731
+    lines = [
+        f"memory read bandwidth: {costs.bandwidth_gbs:.1f} GB/s (talker's threads), "
+        f"{costs.bandwidth_1t_gbs:.1f} GB/s (1 thread)",
+        "frame step (talker + code predictor) alone, ms: "
+        + ", ".join(f"{i + 1} stream{'s' if i else ''} {ms(v)}" for i, v in enumerate(costs.frame_s)),
+        f"Code2Wav call: {ms(costs.codec_call_s)} ms + {ms(costs.codec_frame_s)} ms per frame row"
+        f" (chunk {steady}, 1 stream: {ms(costs.codec_call_s + steady * costs.codec_frame_s)} ms)",
+        f"prefill: {ms(costs.prefill_fixed_s)} ms + {1e3 * costs.prefill_token_s:.2f} ms per token",
+        f"contention (pipeline wall time over the parts): {costs.contention:.2f}"
+        f" ({'codec shares the talker cores' if costs.shared_cores else 'codec on its own cores'})",
+        "wall time per frame, ms: " + ", ".join(
+            f"{n} {ms(costs.frame_time_s(n, steady))}" for n in range(1, len(costs.frame_s) + 1)),
+        f"capacity: {cap.streams} stream(s) real time within {margin:.0%} of each 80 ms frame "
+        f"(bound by {cap.limit}); RTF estimate {cap.rtf:.2f} for one stream"
+        + ("" if cap.realtime else " -- NOT real time: first audio is held back"),
+    ]
+    if costs.emulated:
+        lines.append("costs are EMULATED (OMNI_STREAM_EMULATE_COSTS)")
+    return "\n".join(lines)
+
+
+def advice(costs: MachineCosts, *, steady: int, weight_path: str | None, engine: str) -> str:
+    """One start-up line for a machine where not even one stream keeps real time."""
+    rtf = costs.rtf(1, steady)
+    helps = []
+    if weight_path not in ("int4",):
+        helps.append("--weight-path int4 (faster, less faithful)")
+    if engine != "native":
+        helps.append("--engine native")
+    helps += ["a smaller model (0.6B)", "client-side decoding (codec frames over the "
+              "WebSocket, Code2Wav on the client)", "more cores or memory bandwidth"]
+    return (f"not real time here: one stream's measured RTF is {rtf:.2f} (frame "
+            f"{1e3 * costs.frame_time_s(1, steady):.0f} ms of each 80 ms; memory bandwidth "
+            f"{costs.bandwidth_gbs:.1f} GB/s); every stream's first audio is held back so it "
+            f"plays without gaps (TTFA grows with its length). What would help: "
+            + "; ".join(helps))
+
+
+__all__ = ["Capacity", "CapacityTracker", "CostCache", "DEFAULT_MARGIN", "FRAME_S",
+           "MachineCosts", "advice", "capacity", "chunk_policy", "format_costs", "holdback_s"]
