@@ -174,6 +174,7 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         max_seq_len=prof.max_seq_len,
         schedule=ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk),
         schedule_calibrated="calibration" in (sources["first_chunk"], sources["steady_chunk"]),
+        schedule_fixed="user" in (sources["first_chunk"], sources["steady_chunk"]),
         talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
         cp_threads=prof.cp_threads, placement=prof.placement, cuda_graphs=prof.cuda_graphs,
         weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
@@ -183,22 +184,30 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets))
 
 
-def _with_calibration(a: argparse.Namespace, path, build):
-    """(profile, sources, settings, calibration file or None): ``build(calibration)`` gives the
-    profile, with this deployment's cached chunk calibration as its calibration layer when one
-    exists. The cache is keyed by the settings' fingerprint, which the chunk sizes do not enter,
-    so the profile is first built without it to find the key."""
+def _with_calibration(a: argparse.Namespace, path, build, costs_out: list | None = None):
+    """(profile, sources, settings, cost file or None): ``build(calibration)`` gives the
+    profile, with the chunk policy of this deployment's cached costs
+    (``scheduling.capacity.chunk_policy``) as its calibration layer when they exist. The cache
+    is keyed by the settings' fingerprint, which the chunk sizes do not enter, so the profile
+    is first built without it to find the key. ``costs_out`` gets the cached costs, if any."""
+    from omni_stream.scheduling.capacity import chunk_policy
+    from omni_stream.scheduling.chunking import ChunkPolicy
+
     prof, sources = build(None)
     settings = _settings(a, path, prof, sources)
-    cache = settings.calibration_cache()
-    policy = cache.load()
-    if policy is None:
+    cache = settings.cost_cache()
+    costs = cache.load()
+    if costs is None:
         return prof, sources, settings, None
+    if costs_out is not None:
+        costs_out.append(costs)
+    policy = chunk_policy(costs, ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk))
     try:
         cprof, csources = build(policy)
     except ValueError as e:
-        log.warning("chunk calibration %s (first %d, steady %d) does not fit the other "
-                    "settings and is not used: %s", cache.path, policy.first, policy.steady, e)
+        log.warning("the chunk policy of the measured costs %s (first %d, steady %d) does not "
+                    "fit the other settings and is not used: %s", cache.path, policy.first,
+                    policy.steady, e)
         return prof, sources, settings, None
     return cprof, csources, _settings(a, path, cprof, csources), cache.path
 
@@ -216,7 +225,7 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
     prof, sources, settings, calib = _with_calibration(
         a, path, lambda c: effective_profile(a, path, hw, calibration=c))
     log.info("effective profile (--profile %s%s):\n%s", a.profile,
-             f", chunk calibration {calib}" if calib else "", format_profile(prof, sources))
+             f", measured costs {calib}" if calib else "", format_profile(prof, sources))
     return settings, prof, sources
 
 
@@ -252,16 +261,51 @@ def cmd_profile(a: argparse.Namespace) -> int:
                              kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
                              calibration=calibration, user=user)
 
-    prof, sources, _, calib = _with_calibration(a, path, build)
+    found: list = []
+    prof, sources, settings, calib = _with_calibration(a, path, build, found)
+    if not found and not a.no_measure and hw.source == "probe":  # not an emulated machine
+        _measure_deployment(settings)  # seconds: starts the stages, times them, caches
+        prof, sources, settings, calib = _with_calibration(a, path, build, found)
+    costs = found[0] if found else None
+    cap = None
+    if costs is not None:
+        from omni_stream.scheduling.capacity import capacity
+
+        cap = capacity(costs, slots=settings.max_streams, steady=prof.steady_chunk)
     if a.json:
+        extra = {}
+        if costs is not None:
+            extra = dict(costs=costs.to_dict(), capacity_streams=cap.streams,
+                         rtf_estimate=cap.rtf, realtime=cap.realtime,
+                         bandwidth_gbs=costs.bandwidth_gbs)
         print(json.dumps(dict(hardware=profile_summary(hw), profile=profile_to_dict(prof),
-                              sources=sources, calibration=str(calib) if calib else None),
-                         indent=2))
+                              sources=sources, calibration=str(calib) if calib else None,
+                              **extra), indent=2))
     else:
+        from omni_stream.scheduling.capacity import format_costs
+
         print("hardware:", json.dumps(profile_summary(hw)))
-        print("chunk calibration:", calib or "none for these settings")
+        print("measured costs:", calib or "none for these settings (--no-measure)")
+        if costs is not None:
+            print(format_costs(costs, cap, steady=prof.steady_chunk))
         print(format_profile(prof, sources))
     return 0
+
+
+def _measure_deployment(settings) -> None:
+    """Start the pipeline of ``settings`` once (it measures and caches the costs), then stop."""
+    import asyncio
+
+    from omni_stream.orchestrator import PipelineBackend
+
+    async def run():
+        b = PipelineBackend(settings)
+        try:
+            await b.start()
+        finally:
+            await b.close()
+
+    asyncio.run(run())
 
 
 def _prod(shape) -> int:
@@ -361,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(pr)
     pr.add_argument("--set", default=None, help='user overrides as JSON, e.g. \'{"max_streams": 2}\'')
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--no-measure", action="store_true",
+                    help="do not measure the machine when no costs are cached for these settings")
     pr.set_defaults(func=cmd_profile)
 
     from omni_stream.observability.report import add_stats_parser

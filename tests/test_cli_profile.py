@@ -10,7 +10,7 @@ from omni_stream.cli import main
 
 
 def test_profile_here_and_emulated(tiny_ckpt, capsys, monkeypatch):
-    assert main(["profile", "--model", str(tiny_ckpt), "--json"]) == 0
+    assert main(["profile", "--model", str(tiny_ckpt), "--json", "--no-measure"]) == 0
     here = json.loads(capsys.readouterr().out)
     assert here["hardware"]["hardware_class"] in ("x86_cpu", "arm64_cpu")
     assert set(here["sources"]) == set(here["profile"])
@@ -103,43 +103,53 @@ def test_cuda_graphs_from_the_profile_reach_the_talker_stage_spec(tiny_ckpt, mon
         PipelineSettings(model_path="m", device="cuda", cuda_graphs=True, placement="split")
 
 
-def test_cached_chunk_calibration_is_the_profiles_calibration_layer(tiny_ckpt, monkeypatch,
-                                                                    tmp_path, capsys):
-    """A chunk calibration cached for these settings shows in ``omni-stream profile`` (source
-    "calibration") and becomes the schedule ``serve`` runs with; flags still win."""
+def test_cached_costs_are_the_profiles_calibration_layer(tiny_ckpt, monkeypatch, tmp_path,
+                                                       capsys):
+    """Costs cached for these settings give the chunk policy in ``omni-stream profile`` (source
+    "calibration"), the capacity, RTF estimate and bandwidth it prints, and the schedule
+    ``serve`` runs with; flags still win."""
     from omni_stream.cli import pipeline_settings
-    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.scheduling.capacity import MachineCosts, chunk_policy
 
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
     args = _serve_args("--model", str(tiny_ckpt))
     s0, _, src0 = pipeline_settings(args)
     assert src0["first_chunk"] != "calibration" and not s0.schedule_calibrated
-    path = s0.calibration_cache().store(ChunkPolicy(first=2, steady=5, min_slack_s=0.1))
+    # a slow machine: 70 ms frames and a costly codec call: not real time
+    costs = MachineCosts(frame_s=(0.070, 0.085, 0.100, 0.115), codec_call_s=0.030,
+                         codec_frame_s=0.002, bandwidth_gbs=17.0, bandwidth_1t_gbs=9.5)
+    path = s0.cost_cache().store(costs)
     assert path.parent == tmp_path / "calibration"
+    want = chunk_policy(costs, s0.schedule)
 
     s, prof, src = pipeline_settings(args)
-    assert (prof.first_chunk, prof.steady_chunk) == (2, 5)
+    assert (prof.first_chunk, prof.steady_chunk) == (want.first, want.steady)
     assert src["first_chunk"] == src["steady_chunk"] == "calibration"
-    assert s.schedule == ChunkPolicy(first=2, steady=5) and s.schedule_calibrated
+    assert (s.schedule.first, s.schedule.steady) == (want.first, want.steady)
+    assert s.schedule_calibrated and not s.schedule_fixed
     assert s.calibration_fingerprint() == s0.calibration_fingerprint()
 
     assert main(["profile", "--model", str(tiny_ckpt), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert (shown["profile"]["first_chunk"], shown["profile"]["steady_chunk"]) == (2, 5)
-    assert shown["sources"]["first_chunk"] == shown["sources"]["steady_chunk"] == "calibration"
+    assert (shown["profile"]["first_chunk"], shown["profile"]["steady_chunk"]) == (want.first,
+                                                                                   want.steady)
+    assert shown["sources"]["first_chunk"] == "calibration"
     assert shown["calibration"] == str(path)
+    assert shown["bandwidth_gbs"] == 17.0 and shown["capacity_streams"] == 1
+    assert shown["realtime"] is False and shown["rtf_estimate"] > 0.85
+    assert main(["profile", "--model", str(tiny_ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert "memory read bandwidth: 17.0 GB/s" in text and "NOT real time" in text
+    assert "1 stream 70.0" in text
 
-    # a flag wins over the calibration for its field only
-    s, _, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--steady-chunk", "7"))
-    assert (s.schedule.first, s.schedule.steady) == (2, 7) and src["steady_chunk"] == "user"
+    # a flag wins over the calibration for its field only, and fixes the schedule
+    s, _, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--steady-chunk", "40"))
+    assert (s.schedule.first, s.schedule.steady) == (want.first, 40)
+    assert src["steady_chunk"] == "user" and s.schedule_fixed
     # --profile none: the defaults, the calibration (same deployment), the flags
     none = _serve_args("--model", str(tiny_ckpt), "--profile", "none")
     s, _, _ = pipeline_settings(none)
-    s.calibration_cache().store(ChunkPolicy(first=1, steady=3))
+    s.cost_cache().store(costs)
     s, _, src = pipeline_settings(none)
-    assert s.schedule == ChunkPolicy(first=1, steady=3) and s.schedule_calibrated
-    assert src["steady_chunk"] == "calibration" and src["dtype"] == "default"
-    # a calibration the flags cannot live with (first chunk above its steady) is left out
-    s, _, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--first-chunk", "6"))
-    assert (s.schedule.first, s.schedule.steady) == (6, 8) and not s.schedule_calibrated
-    assert src["steady_chunk"] != "calibration"
+    assert s.schedule_calibrated and src["steady_chunk"] == "calibration"
+    assert src["dtype"] == "default"

@@ -275,15 +275,18 @@ def test_seeded_codes_under_batching(tiny_ckpt):
     assert same == len(texts)
 
 
-def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
-    """Measured chunk arrivals calibrate the chunk policy, cached per hardware fingerprint and
-    deployment; the next ``serve`` puts it in the profile's calibration layer and the backend
-    runs with it (and does not calibrate again)."""
+def test_measured_costs_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
+    """The first start of a deployment measures what a frame costs (bandwidth, frame steps per
+    batch, Code2Wav calls, probe streams), caches it per hardware fingerprint and deployment;
+    the next ``serve`` puts the chunk policy of those costs in the profile's calibration layer
+    and the backend runs with them without measuring again."""
     import dataclasses
 
     from omni_stream.cli import build_parser, pipeline_settings
+    from omni_stream.scheduling.capacity import MachineCosts, chunk_policy
 
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OMNI_STREAM_EMULATE_COSTS", raising=False)
 
     async def serve_once(settings):
         backend = PipelineBackend(settings)
@@ -291,25 +294,32 @@ def test_chunk_calibration_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
             st, _, data = await _speech(s, url, input=TEXT, response_format="pcm", seed=3,
                                         max_new_tokens=40)
             assert st == 200 and len(data) > 0
-            return backend.stats()["chunk_policy_calibrated"], backend.schedule
+            async with s.get(url + "/health") as r:
+                health = await r.json()
+            return backend.costs_cached, backend.costs, backend.schedule, health
 
-    first, sched0 = run_async(serve_once(_settings(tiny_ckpt, schedule=ChunkPolicy())),
-                              timeout=300)
-    files = list((tmp_path / "calibration").glob("*.json"))
-    assert first == 1 and sched0 == ChunkPolicy() and len(files) == 1
-    cached = files[0].read_text()
-    fit = ChunkPolicy.from_dict(json.loads(cached)["policy"])
+    cached0, costs0, sched0, h0 = run_async(serve_once(_settings(tiny_ckpt,
+                                                                 schedule=ChunkPolicy())),
+                                            timeout=300)
+    files = list((tmp_path / "calibration").glob("costs-*.json"))
+    assert not cached0 and len(files) == 1
+    assert len(costs0.frame_s) == 4 and all(v > 0 for v in costs0.frame_s)
+    assert costs0.bandwidth_gbs > 0 and costs0.codec_frame_s + costs0.codec_call_s > 0
+    assert h0["capacity_streams"] >= 1 and h0["rtf_estimate"] > 0
+    stored = MachineCosts(**{**json.loads(files[0].read_text())["costs"]})
+    assert stored.measured_unix == costs0.measured_unix
+    assert sched0 == chunk_policy(costs0, ChunkPolicy())
     # ``serve --profile none`` with the same deployment (model, dtype, slots, placement, threads)
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--profile", "none",
                                       "--max-streams", "4"])
     settings, prof, sources = pipeline_settings(args)
+    policy = chunk_policy(stored, ChunkPolicy())
     assert sources["first_chunk"] == sources["steady_chunk"] == "calibration"
-    assert (prof.first_chunk, prof.steady_chunk) == (fit.first, fit.steady)
-    assert settings.schedule == ChunkPolicy(first=fit.first, steady=fit.steady)
-    second, sched1 = run_async(serve_once(dataclasses.replace(
+    assert (prof.first_chunk, prof.steady_chunk) == (policy.first, policy.steady)
+    cached1, costs1, sched1, _ = run_async(serve_once(dataclasses.replace(
         settings, model_name="qwen3-tts", max_seq_len=512, queue_timeout_s=60)), timeout=300)
-    assert second == 1 and sched1 == settings.schedule
-    assert files[0].read_text() == cached  # not calibrated again
+    assert cached1 and costs1.measured_unix == costs0.measured_unix  # not measured again
+    assert (sched1.first, sched1.steady) == (policy.first, policy.steady)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "group-term"])

@@ -272,7 +272,10 @@ def test_health_models_and_metrics():
                 return health, model, missing, r.status, r.headers["Content-Type"], await r.text()
 
     health, model, missing, status, ctype, text = arun(main())
-    assert health == (200, {"status": "ok", "model": "omni-stream-fake"})
+    assert health[0] == 200 and health[1]["status"] == "ok"
+    assert health[1]["model"] == "omni-stream-fake"
+    # the capacity the backend reports (the fake: its slots, RTF from its per-frame sleep)
+    assert health[1]["capacity_streams"] == 4 and health[1]["rtf_estimate"] == 0.0
     assert model[0] == 200 and model[1]["id"] == "omni-stream-fake" and missing == 404
     assert status == 200 and ctype.startswith("text/plain")
     for name in ("omni_stream_requests_total", "omni_stream_time_to_first_audio_seconds_bucket",
@@ -280,6 +283,7 @@ def test_health_models_and_metrics():
                  "omni_stream_audio_seconds_total", "omni_stream_ws_sessions",
                  "omni_stream_backend_active_streams", "omni_stream_backend_queue_depth",
                  "omni_stream_backend_slots_total 4.0", 'omni_stream_step_seconds_bucket{le=',
+                 "omni_stream_capacity_streams 4.0", "omni_stream_rtf_estimate 0.0",
                  'phase="talker_step"', 'phase="server.encode_write"'):
         assert name in text, name
     assert 'omni_stream_requests_total{route="/v1/audio/speech",status="200"} 1.0' in text

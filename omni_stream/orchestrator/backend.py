@@ -9,7 +9,12 @@ A request is validated, priced in KV and admitted (``scheduling.AdmissionControl
 the talker as an ``AddStream``; the supervisor's reader thread hands each audio-ring message to
 its stream's asyncio queue, and the stream's generator turns them into ``AudioChunk`` values.
 A stream the client leaves is cancelled in the stages; a stream whose stage died gets a
-BackendError, never a hang. Finished streams also calibrate the chunk policy for the next start.
+BackendError, never a hang.
+
+What a frame costs here (``orchestrator.costs``: cached per deployment, else measured at start)
+sets how many streams are admitted at once, the chunk schedule, the prefill throttle's starting
+costs and, where even one stream is slower than real time, how long a stream's first audio is
+held back; the streams' own chunk arrivals keep it current (``scheduling.CapacityTracker``).
 """
 
 from __future__ import annotations
@@ -31,24 +36,35 @@ from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
 from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
-from omni_stream.scheduling.chunking import calibrate
+from omni_stream.scheduling.capacity import (DEFAULT_MARGIN, CapacityTracker, MachineCosts,
+                                             advice, chunk_policy, format_costs, holdback_s)
 from omni_stream.scheduling.limits import stream_frame_cap
+from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
-                                   CloneSpec, FailReason, Flags, Message, MsgKind, PromptSpec,
-                                   cleanup_stale)
+                                   CloneSpec, CostUpdate, FailReason, Flags, Message, MsgKind,
+                                   PromptSpec, StatsReply, cleanup_stale)
 
 log = logging.getLogger(__name__)
 
+# hold-back length without max_new_tokens: a slow reading (limits.py: speech is ~3-6 frames
+# per text token)
+HOLD_BASE_FRAMES = 8
+PROBE_STREAM_IDS = 1 << 40  # the cost probes' stream ids (orchestrator.costs)
+HOLD_FRAMES_PER_TOKEN = 6
+
 
 class _Stream:
-    __slots__ = ("sid", "queue", "loop", "done", "arrivals")
+    __slots__ = ("sid", "queue", "loop", "done", "last_t", "chunks", "paused", "probe")
 
     def __init__(self, sid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.sid = sid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         self.done = False
-        self.arrivals: list[tuple[int, float]] = []  # (frames, time) per chunk, for calibration
+        self.last_t: float | None = None  # arrival of its previous chunk (the live cost samples)
+        self.chunks = 0
+        self.paused = False  # waited for its text since the previous chunk: no cost sample
+        self.probe = False  # a cost probe: measures the parts, does not feed the live estimate
 
 
 class PipelineBackend:
@@ -67,6 +83,7 @@ class PipelineBackend:
         # a Base checkpoint clones voices (server/voices.py loads its encoders from here)
         self.clone_model_dir = settings.model_path if self.cfg.variant == "base" else None
         self._ids = itertools.count(1)
+        self._probe_ids = itertools.count(PROBE_STREAM_IDS)  # apart from the clients' ids
         self._streams: dict[int, _Stream] = {}
         dtype_bytes = 2 if settings.dtype in ("bfloat16", "float16") else 4
         static_cache = (settings.max_streams * settings.max_seq_len
@@ -75,9 +92,15 @@ class PipelineBackend:
                                 setting_bytes=settings.kv_budget_bytes or static_cache)
         self.adm: AdmissionController | None = None
         self.schedule = settings.schedule
-        self._calibration = settings.calibration_cache()
-        self._calibrated = settings.schedule_calibrated
-        self.sup = Supervisor(settings, self._on_audio, self._on_lost)
+        self._cost_cache = settings.cost_cache()
+        self.costs: MachineCosts | None = None
+        self.tracker: CapacityTracker | None = None
+        self.margin = DEFAULT_MARGIN
+        self._measuring = None  # (talker future, codec future) while the stages are timed
+        self._measure_request = 7_000_000  # request ids of MeasureCosts
+        self._tracking: asyncio.Task | None = None
+        self.costs_cached = False  # the costs came from the cache (else measured at start)
+        self.sup = Supervisor(settings, self._on_audio, self._on_lost, self._on_reply)
         self._completed = 0
         self._failed = 0
         self._invalid_codes = 0  # streams failed because a code failed its check
@@ -143,9 +166,26 @@ class PipelineBackend:
                    stage_restarts=self.sup.restarts, streams_completed=self._completed,
                    streams_failed=self._failed, streams_failed_invalid_code=self._invalid_codes,
                    text_waits=self._text_waits,
-                   chunk_policy_calibrated=int(self._calibrated))
+                   chunk_policy_calibrated=int(self.s.schedule_calibrated))
+        info = self.capacity_info()
+        if info:
+            out.update(capacity_streams=info["capacity_streams"],
+                       rtf_estimate=info["rtf_estimate"], realtime=int(info["realtime"]),
+                       cost_contention=info["contention"],
+                       memory_bandwidth_gbs=info["bandwidth_gbs"])
         out.update({f"admission_{k}": v for k, v in snap.items()})
         return out
+
+    def capacity_info(self) -> dict | None:
+        """What /health shows: the streams admitted at once, one stream's RTF estimate, whether
+        that is real time, and the measured bandwidth (None until the costs are known)."""
+        t = self.tracker
+        if t is None or self.costs is None:
+            return None
+        return dict(capacity_streams=t.current.streams, rtf_estimate=round(t.rtf_estimate(), 4),
+                    realtime=t.current.realtime, contention=round(t.contention, 4),
+                    bandwidth_gbs=round(self.costs.bandwidth_gbs, 2), margin=self.margin,
+                    slots=self.s.max_streams)
 
     async def start(self) -> None:
         stepstats.configure("server")
@@ -158,15 +198,94 @@ class PipelineBackend:
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)
         log.info("KV budget: %s", self.kv.describe())
-        log.info("chunk schedule %s%s", self.schedule.to_dict(),
-                 " (from the chunk calibration)" if self._calibrated else "")
         await asyncio.get_running_loop().run_in_executor(None, self.sup.start)
+        await self._init_costs()
+        log.info("chunk schedule %s", self.schedule.to_dict())
+        self._tracking = asyncio.create_task(self._track())
+
+    async def _init_costs(self) -> None:
+        """The cached costs of this deployment, or measure them (``orchestrator.costs``);
+        then admission, the chunk schedule and the throttle follow them."""
+        from omni_stream.orchestrator import costs as oc
+
+        ready = await oc.measure_bandwidth(self)
+        cached = None if oc.emulated() else self._cost_cache.load()
+        if cached is not None and oc.bandwidth_drifted(cached, ready):
+            log.warning("memory bandwidth %.1f GB/s against %.1f GB/s when the costs were "
+                        "measured: measuring again", ready.get("bandwidth_gbs", 0.0),
+                        cached.bandwidth_gbs)
+            cached = None
+        self.costs_cached = cached is not None
+        if cached is not None:
+            costs = cached
+            log.info("machine costs from %s", self._cost_cache.path)
+        else:
+            t0 = time.perf_counter()
+            parts = await oc.measure_parts(self)
+            self._apply_costs(parts)  # the probe streams run with the parts' chunk schedule
+            self.adm.set_capacity(self.s.max_streams)  # every probe width runs at once
+            contention = await oc.probe_contention(self, parts, self.schedule.steady)
+            costs = parts.with_contention(contention)
+            log.info("machine costs measured in %.1f s%s", time.perf_counter() - t0,
+                     " (emulated, not cached)" if costs.emulated else
+                     f" (cached at {self._cost_cache.path})")
+            if not costs.emulated:
+                self._cost_cache.store(costs)
+        self._apply_costs(costs)
+        cap = self.tracker.current
+        log.info("measured costs:\n%s", format_costs(costs, cap, steady=self.schedule.steady,
+                                                       margin=self.margin))
+        log.info("capacity: %d stream(s) at once, RTF estimate %.2f for one stream, memory "
+                 "bandwidth %.1f GB/s", cap.streams, cap.rtf, costs.bandwidth_gbs)
+        if not cap.realtime:
+            log.warning(advice(costs, steady=self.schedule.steady,
+                               weight_path=self.s.weight_path, engine=self.s.engine))
+
+    def _apply_costs(self, costs: MachineCosts) -> None:
+        self.costs = costs
+        if not (self.s.schedule_fixed or self.s.schedule_calibrated):
+            self.schedule = chunk_policy(costs, self.s.schedule, margin=self.margin)
+        self.tracker = CapacityTracker(costs, slots=self.s.max_streams,
+                                       steady=self.schedule.steady, margin=self.margin)
+        assert self.adm is not None
+        self.adm.set_capacity(self.tracker.current.streams)
+        pipe = self.sup.pipe
+        if pipe is not None:
+            try:
+                pipe.send(CostUpdate(prefill_fixed_s=costs.prefill_fixed_s,
+                                     prefill_token_s=costs.prefill_token_s,
+                                     frame_s=costs.talker_s(1)))
+            except (ChannelClosed, OSError):
+                pass
+
+    async def _track(self, period_s: float = 0.5) -> None:
+        """Capacity follows the streams' own frame costs (``CapacityTracker``)."""
+        while True:
+            await asyncio.sleep(period_s)
+            t = self.tracker
+            if t is None or self.adm is None:
+                continue
+            before = t.current
+            if t.update(time.monotonic()):
+                self.adm.set_capacity(t.current.streams)
+                log.warning("capacity %d -> %d stream(s): wall time per frame is %.2fx what "
+                            "the parts cost alone (RTF estimate %.2f)", before.streams,
+                            t.current.streams, t.contention, t.rtf_estimate())
 
     def begin_shutdown(self) -> None:
         """The server is going down: stage exits from now on are not crashes to recover from."""
         self.sup.closing = True
 
     async def close(self) -> None:
+        if self._tracking is not None:
+            self._tracking.cancel()
+        t, c = self.tracker, self.costs
+        if (t is not None and c is not None and not c.emulated
+                and abs(t.contention - c.contention) > 0.1 * max(c.contention, 1e-9)):
+            try:  # keep what serving measured for the next start
+                self._cost_cache.store(c.with_contention(t.contention))
+            except OSError as e:
+                log.warning("could not update the cost cache: %s", e)
         await asyncio.get_running_loop().run_in_executor(None, self.sup.close)
         for st in list(self._streams.values()):
             self._deliver(st, BackendError(503, "shutting_down", "server is shutting down",
@@ -224,7 +343,25 @@ class PipelineBackend:
                                              "restarting", retry_after=2))
 
     # ------------------------------------------------------------------ stream
-    async def stream(self, job: SpeechJob) -> AsyncGenerator[AudioChunk, None]:
+    def holdback_for(self, frames: int, streams: int) -> float:
+        """Seconds a stream of ``frames`` frames holds its first audio back when it runs with
+        ``streams`` streams (0 while that keeps real time): ``scheduling.holdback_s``."""
+        t = self.tracker
+        if t is None or self.costs is None:
+            return 0.0
+        ft = self.costs.frame_time_s(max(1, streams), self.schedule.steady, t.contention)
+        return holdback_s(ft, frames, steady=self.schedule.steady, margin=self.margin)
+
+    def expected_frames(self, job: SpeechJob, text_tokens: int, max_frames: int) -> int:
+        """The frames a stream is expected to run, for its hold-back: its ``max_new_tokens``
+        when given, else a slow reading of its text (``HOLD_FRAMES_PER_TOKEN`` per token, the
+        slow end of speech), within its frame cap."""
+        if job.max_frames is not None:
+            return max_frames
+        return min(max_frames, HOLD_BASE_FRAMES + HOLD_FRAMES_PER_TOKEN * max(0, text_tokens))
+
+    async def stream(self, job: SpeechJob, probe: bool = False) -> AsyncGenerator[AudioChunk, None]:
+        """``probe``: an internal cost-probe stream (no hold-back, no cost samples)."""
         self.validate(job)
         if self.sup.pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
@@ -244,7 +381,7 @@ class PipelineBackend:
                                f"max_new_tokens ({max_frames}) exceed the {self.s.max_seq_len} "
                                "positions of a stream: shorten the input or lower max_new_tokens",
                                param="max_new_tokens")
-        sid = next(self._ids)
+        sid = next(self._probe_ids if probe else self._ids)
         t_wait = time.perf_counter()
         try:
             await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
@@ -252,7 +389,10 @@ class PipelineBackend:
         except Rejected as r:
             raise BackendError.from_rejected(r) from None
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
+        hold = 0.0 if probe else self.holdback_for(
+            self.expected_frames(job, text_tokens, max_frames), self.adm.admitted_count)
         st = _Stream(sid, asyncio.get_running_loop())
+        st.paused = st.probe = probe
         self._streams[sid] = st
         forwarder = None
         pipe = self.sup.pipe
@@ -262,6 +402,8 @@ class PipelineBackend:
             chunk = self.schedule
             if job.initial_chunk_frames:
                 chunk = chunk.starting_at(job.initial_chunk_frames)
+            if hold > 0:
+                chunk = chunk.held(hold)
             seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
             instructions = job.instructions if self.supports_instructions else None
             msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames, chunk=chunk,
@@ -286,6 +428,7 @@ class PipelineBackend:
                     forwarder = asyncio.create_task(
                         self._forward_text(sid, st, job, feed_tok, pipe))
             total = 0
+            first_t = None
             while True:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
@@ -313,17 +456,25 @@ class PipelineBackend:
                     chunk_codes = m.payload
                     n = len(chunk_codes)
                 total += n
+                if hold > 0 and n:  # not real time here: the first audio waits (the docstring)
+                    if first_t is None:
+                        first_t = time.monotonic()
+                        log.info("stream %d: first audio held back %.2f s (measured RTF %.2f)",
+                                 sid, hold, self.tracker.rtf_estimate() if self.tracker else 0)
+                    wait = first_t + hold - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 end = bool(m.flags & Flags.END)
                 if end:
                     st.done = True
-                    self._completed += 1
+                    self._completed += not probe
                     yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n, final=True,
                                      input_tokens=int(m.aux), output_frames=total,
                                      finish_reason="length" if m.flags & Flags.LENGTH else "stop")
                     return
                 yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n)
         except BackendError:
-            self._failed += 1
+            self._failed += not probe
             raise
         finally:
             if forwarder is not None:
@@ -342,16 +493,38 @@ class PipelineBackend:
 
     def _on_audio(self, m: Message) -> None:
         """One audio-ring message (reader thread): to its stream, if it is still here."""
+        if m.stream_id == MEASURE_STREAM_ID:
+            fut = self._measuring[1] if self._measuring else None
+            if fut is not None:
+                import json
+
+                data = json.loads(bytes(m.payload).decode()) if m.payload is not None else {}
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, data)
+            return
         st = self._streams.get(m.stream_id)
         if st is None:
             return
         n = len(m.payload) if m.kind == MsgKind.CODES and m.payload is not None else \
             (len(m.payload) // self.cfg.code2wav.samples_per_frame if m.kind == MsgKind.PCM else 0)
+        if m.kind == MsgKind.EVENT and m.flags & Flags.WAIT:
+            st.paused = True
         if n:
-            st.arrivals.append((n, m.get_ns / 1e9))
-        if m.flags & Flags.END and not self._calibrated:
-            self._try_calibrate(st.arrivals)
+            t = m.get_ns / 1e9
+            st.chunks += 1
+            tracker = self.tracker
+            if (st.last_t is not None and not st.paused and st.chunks >= 3
+                    and tracker is not None):  # after its first chunks: the steady pace
+                st.loop.call_soon_threadsafe(tracker.observe, len(self._streams),
+                                             (t - st.last_t) / n, time.monotonic())
+            st.last_t = t
+            st.paused = st.probe  # one gap skipped after a wait for text
         self._deliver(st, m)
+
+    def _on_reply(self, msg: StatsReply) -> None:
+        """A stage's answer to a request (reader thread): the talker's measured costs."""
+        fut = self._measuring[0] if self._measuring else None
+        if fut is not None and msg.request_id == self._measure_request:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, dict(msg.stats))
 
     def _on_lost(self, err: BackendError) -> None:
         """The stages died (reader thread): every stream in flight ends with ``err``."""
@@ -360,13 +533,8 @@ class PipelineBackend:
         for st in list(self._streams.values()):
             self._deliver(st, err)
 
-    def _try_calibrate(self, arrivals: list[tuple[int, float]]) -> None:
-        """Fit chunk costs from a finished stream and cache the policy for the next start."""
-        try:
-            policy = calibrate(arrivals, min_steady=self.schedule.steady)
-        except ValueError:
-            return  # too few chunks or sizes in this stream: wait for another
-        path = self._calibration.store(policy, chunks=len(arrivals))
-        self._calibrated = True
-        log.info("calibrated chunk policy %s (cached at %s; used from the next start)",
-                 policy.to_dict(), path)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -91,6 +91,7 @@ class Pipeline:
         msg = self.ctrl.recv(timeout=timeout)
         if not isinstance(msg, StatsReply):
             raise RuntimeError(f"talker stage did not start (got {msg!r}); see its log")
+        self.ready_stats = dict(msg.stats)  # with the memory bandwidth it measured
         while time.monotonic() < deadline:
             m = self.audio.get(timeout=0.5)
             if m is not None and m.stream_id == READY_STREAM_ID:
@@ -128,10 +129,13 @@ class Supervisor:
     lost incarnation with the error its streams in flight must end with."""
 
     def __init__(self, settings: PipelineSettings, on_audio: Callable[[Message], None],
-                 on_lost: Callable[[BackendError], None]) -> None:
+                 on_lost: Callable[[BackendError], None],
+                 on_reply: Callable[[StatsReply], None] | None = None) -> None:
         self.s = settings
         self.on_audio = on_audio
         self.on_lost = on_lost
+        self.on_reply = on_reply  # stage answers to requests (reader thread)
+        self.ready_stats: dict = {}  # the talker's ready message of the running incarnation
         self.pipe: Pipeline | None = None  # None while (re)starting or after a give-up
         self.restarts = 0
         self._restart_times: list[float] = []
@@ -148,6 +152,7 @@ class Supervisor:
             pipe.close()
             raise
         self.pipe = pipe
+        self.ready_stats = getattr(pipe, "ready_stats", {})
         self._stop.clear()
         self._reader = threading.Thread(target=self._read_loop, args=(pipe,),
                                         name="omni-audio-reader", daemon=True)
@@ -186,6 +191,8 @@ class Supervisor:
             while (msg := pipe.ctrl.recv(timeout=0)) is not None:
                 if isinstance(msg, StatsReply) and msg.request_id == -1:
                     replay_stage_timings(msg.stats, msg.stage, msg.pid)
+                elif isinstance(msg, StatsReply) and self.on_reply is not None:
+                    self.on_reply(msg)
         except (ChannelClosed, OSError):
             pass
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from omni_stream.checkpoints.default import cache_dir
 from omni_stream.config import check_engine
-from omni_stream.scheduling.chunking import CalibrationCache, ChunkPolicy
+from omni_stream.scheduling.capacity import CostCache
+from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.scheduling.fingerprint import hardware_fingerprint
 from omni_stream.scheduling.limits import FrameCap
 
@@ -28,10 +29,11 @@ class PipelineSettings:
     default_max_frames: int = 1500  # 120 s of audio: the ceiling of the default frame cap
     frame_cap: FrameCap = field(default_factory=FrameCap)  # default cap that follows the text
     schedule: ChunkPolicy = field(default_factory=ChunkPolicy)  # audio chunk sizes per stream
-    # the schedule came from this deployment's cached chunk calibration (``omni-stream serve``
-    # puts it in the profile's calibration layer); False: the backend calibrates from its first
-    # finished stream and caches the policy for the next start
+    # the schedule came from this deployment's cached costs (``omni-stream serve`` puts the
+    # policy they give in the profile's calibration layer); False: the backend derives it from
+    # the costs it loads or measures at start (``scheduling.capacity.chunk_policy``)
     schedule_calibrated: bool = False
+    schedule_fixed: bool = False  # the chunk sizes are the user's: the costs do not change them
     talker_threads: int = 1
     codec_threads: int = 1
     device: str = "cpu"
@@ -71,13 +73,30 @@ class PipelineSettings:
                 raise ValueError(f"lend_cores {why}; set lend_cores false")
 
     def calibration_fingerprint(self) -> str:
-        """Chunk-cost calibration holds for this hardware AND this model/deployment."""
-        key = [hardware_fingerprint(), str(self.model_path), self.dtype, self.weight_path,
-               self.compile, self.engine, self.max_streams,
-               self.placement, self.talker_threads, self.codec_threads, self.lend_cores]
+        """Measured costs hold for this hardware AND this checkpoint (its weight files' sizes
+        and times) and deployment (engine, weight path, slots, threads, placement)."""
+        key = [hardware_fingerprint(), str(self.model_path), _files_identity(self.model_path),
+               self.dtype, self.weight_path, self.compile, self.engine, self.max_streams,
+               self.placement, self.talker_threads, self.codec_threads, self.cp_threads,
+               self.lend_cores, sorted((k, tuple(v)) for k, v in self.cpu_sets.items())]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
-    def calibration_cache(self) -> CalibrationCache:
-        """Where this deployment's calibrated chunk policy is cached (``cache_dir()``)."""
-        return CalibrationCache(cache_dir() / "calibration",
-                                fingerprint=self.calibration_fingerprint())
+    def cost_cache(self) -> CostCache:
+        """Where this deployment's measured costs are cached (``cache_dir()/calibration``)."""
+        return CostCache(cache_dir() / "calibration", fingerprint=self.calibration_fingerprint())
+
+
+def _files_identity(model_path: str) -> list:
+    """(name, size, mtime) of the checkpoint's weight and config files: a new checkpoint at the
+    same path is measured again."""
+    import os
+
+    out = []
+    try:
+        for e in sorted(os.scandir(model_path), key=lambda e: e.name):
+            if e.is_file() and e.name.endswith((".safetensors", ".json")):
+                st = e.stat()
+                out.append((e.name, st.st_size, int(st.st_mtime)))
+    except OSError:
+        pass
+    return out

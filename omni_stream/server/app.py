@@ -85,7 +85,12 @@ async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if not st.ready:
         return _json({"status": "unavailable"}, status=503)
-    return _json({"status": "ok", "model": st.backend.model_name})
+    body = {"status": "ok", "model": st.backend.model_name}
+    info = getattr(st.backend, "capacity_info", None)
+    cap = info() if info is not None else None
+    if cap:  # the measured real-time capacity (scheduling.capacity)
+        body.update(cap)
+    return _json(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -145,7 +150,8 @@ def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.
     # handler holds the others to max_body_bytes)
     app = web.Application(client_max_size=settings.max_request_bytes(voices.supported),
                           middlewares=[error_middleware, auth_middleware])
-    st = ServerState(backend=backend, settings=settings, metrics=ServerMetrics(backend.stats),
+    st = ServerState(backend=backend, settings=settings,
+                     metrics=ServerMetrics(backend.stats, getattr(backend, "capacity_info", None)),
                      voices=voices)
     app[STATE] = st
 

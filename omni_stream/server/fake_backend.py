@@ -114,6 +114,13 @@ class FakeBackend:
         self._ids = itertools.count(1)
 
     # --- Backend interface -------------------------------------------------------------------
+    def capacity_info(self) -> dict:
+        """As the pipeline's: its slot count, and the RTF its per-frame sleep gives."""
+        cap = self.max_streams if self.max_streams is not None else 0
+        rtf = self.frame_delay / 0.08
+        return dict(capacity_streams=cap, rtf_estimate=round(rtf, 4), realtime=rtf <= 1,
+                    contention=1.0, bandwidth_gbs=0.0, margin=1.0, slots=cap)
+
     def voices(self) -> list[str]:
         return list(self._voices)
 

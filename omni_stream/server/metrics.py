@@ -76,10 +76,36 @@ class _BackendStatsCollector:
             yield GaugeMetricFamily(name, f"backend.stats()['{key}']", value=float(value))
 
 
+class _CapacityCollector:
+    """The measured real-time capacity and one stream's RTF estimate, read at scrape time."""
+
+    def __init__(self, info: Callable[[], dict | None]) -> None:
+        self._info = info
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            info = self._info()
+        except Exception:
+            log.exception("capacity_info() failed")
+            return
+        if not info:
+            return
+        yield GaugeMetricFamily("omni_stream_capacity_streams", "Streams admitted at once: "
+                                "what the measured frame costs keep real time",
+                                value=float(info["capacity_streams"]))
+        yield GaugeMetricFamily("omni_stream_rtf_estimate", "Measured real-time factor of one "
+                                "stream at the served settings (< 1: faster than real time)",
+                                value=float(info["rtf_estimate"]))
+
+
 class ServerMetrics:
     """One app's metrics."""
 
-    def __init__(self, backend_stats: Callable[[], dict]) -> None:
+    def __init__(self, backend_stats: Callable[[], dict],
+                 capacity_info: Callable[[], dict | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("omni_stream_requests", "HTTP requests by route and status",
@@ -99,6 +125,8 @@ class ServerMetrics:
         self.ws_sessions = Gauge("omni_stream_ws_sessions", "Open WebSocket sessions",
                                  registry=r)
         r.register(_BackendStatsCollector(backend_stats))
+        if capacity_info is not None:
+            r.register(_CapacityCollector(capacity_info))
         r.register(_StepCollector())
 
     def render(self) -> bytes:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from omni_stream.stages.proc import start_stage
 log = logging.getLogger(__name__)
 
 READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the audio ring
+MEASURE_STREAM_ID = (1 << 62) + 1  # the talker's "time your calls" event, and the answer
 _NO_LEASE = contextlib.nullcontext()
 PRIMED_CACHE = 8  # cloned voices whose primed Code2Wav state is kept (a few MB each)
 
@@ -63,7 +65,8 @@ class _Stream:
         """Audio sent minus audio played (playback assumed to start at the first chunk)."""
         if self.first_out_t is None:
             return 0.0
-        return self.frames_out * self.policy.audio_frame_s - (now - self.first_out_t)
+        played = max(0.0, now - self.first_out_t - self.policy.hold_s)
+        return self.frames_out * self.policy.audio_frame_s - played
 
 
 class CodecStage:
@@ -94,6 +97,9 @@ class CodecStage:
         stepstats.record_ns("hop.frames.enqueue_put", m.enqueue_ns, m.put_ns)
         stepstats.record_ns("hop.frames.put_get", m.put_ns, m.get_ns)
         sid = m.stream_id
+        if sid == MEASURE_STREAM_ID and m.kind == MsgKind.EVENT:
+            self.measure()
+            return
         if m.kind == MsgKind.EVENT and m.flags & Flags.FIRST:
             try:
                 start = StreamStart.from_payload(m.payload)
@@ -282,6 +288,26 @@ class CodecStage:
         for slot in range(batch):
             self.dec.reset(slot)
         return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def measure(self) -> None:
+        """Time Code2Wav calls per chunk size and batch (``edge.measure``) and answer on the
+        audio ring (a MEASURE event, JSON payload). Only while no stream holds a slot."""
+        from omni_stream.edge.measure import measure_codec_calls
+
+        if self.streams:
+            log.warning("cost measurement asked while %d streams run: skipped", len(self.streams))
+            result: dict = {"error": "streams running"}
+        else:
+            def decode(slots, codes):
+                with self.lease.held() if self.lease is not None else _NO_LEASE:
+                    return self.dec.decode(slots, codes)
+
+            call_s, frame_s, table = measure_codec_calls(decode, self.codebooks,
+                                                         self.dec.max_slots, self.dec.reset)
+            result = dict(codec_call_s=call_s, codec_frame_s=frame_s, table=table)
+        payload = np.frombuffer(json.dumps(result).encode(), dtype=np.uint8).copy()
+        self.out.put(payload, kind=MsgKind.EVENT, stream_id=MEASURE_STREAM_ID, timeout=5.0)
 
     def _first_size(self, st: _Stream) -> int:
         """A stream's first chunk: its policy's, one frame more when other streams are active.

@@ -36,12 +36,14 @@ from omni_stream.models.prompt import PromptBuilder, PromptRequest
 from omni_stream.models.voice_clone import VoiceClone
 from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
-from omni_stream.scheduling.throttle import Action
+from omni_stream.scheduling.throttle import Action, PrefillCostModel
 from omni_stream.stages.talker_scheduler import (FrameEnd, StreamState, TalkerScheduler,
                                                  ThrottleSettings)
 from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
-                                   ControlChannel, FailReason, Flags, MsgKind, Ring, Shutdown,
-                                   StatsReply, StatsRequest, StreamStart)
+                                   ControlChannel, CostUpdate, FailReason, Flags, MeasureCosts,
+                                   MsgKind, Ring, Shutdown, StatsReply, StatsRequest, StreamStart)
+from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
+from omni_stream.stages.emulate import Emulation
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import StageSpec, start_stage
 
@@ -72,6 +74,7 @@ class TalkerStage:
                                      frame_audio_s=1.0 / model.config.frame_rate_hz,
                                      throttle=throttle)
         self.faults = faults or FaultPlan()
+        self.emulation = Emulation()  # OMNI_STREAM_EMULATE_COSTS: a slower machine, on purpose
         self.failed = 0  # streams failed in this stage (not cancelled)
         self.steps = 0
         self.prefills = 0
@@ -91,6 +94,8 @@ class TalkerStage:
                 st.close_pending |= msg.close
         elif isinstance(msg, CancelStream):
             self.cancel(msg.stream_id)
+        elif isinstance(msg, CostUpdate):
+            self.set_costs(msg)
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -103,6 +108,40 @@ class TalkerStage:
         if slot is not None:
             self.engine.release(slot)
         self._event(stream_id, Flags.END, aux=CANCELLED)
+
+    def set_costs(self, msg: CostUpdate) -> None:
+        """The deployment's measured costs seed the prefill throttle (it refits from the
+        prefills it runs from then on)."""
+        self.sched.cost = PrefillCostModel(per_token_s=msg.prefill_token_s,
+                                           fixed_s=msg.prefill_fixed_s)
+        self.sched.frame_s = msg.frame_s
+
+    @torch.inference_mode()
+    def measure(self) -> dict[str, float]:
+        """Time the frame step alone at each batch size up to the slot count, and the prefill
+        (``edge.measure``), then ask the codec stage to time its calls. Run only while no
+        stream is in a slot (the backend measures before it admits any)."""
+        from omni_stream.edge.measure import fit_line, measure_frame_steps
+
+        assert not any(self.sched.slots), "measure() needs every slot free"
+        frame_s, prefills = measure_frame_steps(self.engine, self._frame,
+                                                self.engine.shape.max_slots)
+        fixed, per_token = fit_line(prefills)
+        self.sched.cost = PrefillCostModel(per_token_s=per_token, fixed_s=fixed)
+        self.sched.frame_s = frame_s[0]
+        self._event(MEASURE_STREAM_ID, 0)
+        out = {f"frame_s_{i + 1}": v for i, v in enumerate(frame_s)}
+        return dict(out, prefill_fixed_s=fixed, prefill_token_s=per_token,
+                    emulated=int(self.emulation.active))
+
+    def _frame(self, p: int, streams: int | None = None):
+        """One frame step over ``p`` rows (``streams`` of them decoding), padded to the
+        emulated machine's cost when one is set."""
+        t0 = time.perf_counter()
+        out = self._step(p)
+        if self.emulation.active:
+            self.emulation.pad(time.perf_counter() - t0, p if streams is None else streams)
+        return out
 
     def enable_graphs(self) -> None:
         """Capture the frame step as CUDA graphs (one per padded batch size)."""
@@ -289,7 +328,7 @@ class TalkerStage:
         t0 = time.perf_counter()
         try:
             with self.engine.holding([st.slot for st in held]):
-                codes, code0 = self._step(p)
+                codes, code0 = self._frame(p, len(running))
             codes_np = codes.cpu().numpy()
             nxt = code0.tolist()
         except Exception as e:  # not attributable to one stream: fail this step's streams only
@@ -382,6 +421,12 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                 if isinstance(msg, StatsRequest):
                     ctrl.send(StatsReply(stage="talker", pid=_pid(), request_id=msg.request_id,
                                          stats=stage.stats()))
+                elif isinstance(msg, MeasureCosts):
+                    got = _bandwidth(spec)
+                    if msg.parts:
+                        got.update(stage.measure())
+                    ctrl.send(StatsReply(stage="talker", pid=_pid(), request_id=msg.request_id,
+                                         stats=got))
                 else:
                     running = stage.handle(msg)
                 msg = ctrl.recv(timeout=0) if running else None
@@ -402,6 +447,31 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     finally:
         stepstats.dump()
         out.close()
+
+
+def _bandwidth(spec: StageSpec) -> dict[str, float]:
+    """Memory read bandwidth on the CPUs this stage's runtime runs on (its own and any the
+    codec lends it), with as many threads, and on one thread (``edge.measure``)."""
+    import os
+
+    from omni_stream.edge.measure import memory_bandwidth_gbs
+
+    if spec.device != "cpu":
+        return {}
+    cpus = tuple(spec.cpus) + tuple(spec.lent_cpus)
+    threads = max(1, spec.threads + len(spec.lent_cpus))
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        if cpus and before is not None:
+            os.sched_setaffinity(0, set(cpus))
+        return dict(bandwidth_gbs=memory_bandwidth_gbs(threads),
+                    bandwidth_1t_gbs=memory_bandwidth_gbs(1))
+    except (OSError, RuntimeError) as e:
+        log.warning("memory bandwidth not measured: %s", e)
+        return {}
+    finally:
+        if cpus and before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def _timed(fn, name: str):

@@ -173,6 +173,25 @@ class StatsReply(msgspec.Struct, tag="stats_reply", tag_field="type", frozen=Tru
     stats: dict[str, Union[int, float]] = {}
 
 
+class MeasureCosts(msgspec.Struct, tag="measure_costs", tag_field="type", frozen=True):
+    """Measure the memory read bandwidth and, with ``parts``, time the frame step at each batch
+    size and the prefill, then have the codec stage time its calls (``edge.measure``); the
+    talker answers with a StatsReply of this request_id and (``parts``) the codec with a
+    MEASURE event on the audio ring."""
+
+    request_id: int = 0
+    parts: bool = True
+
+
+class CostUpdate(msgspec.Struct, tag="cost_update", tag_field="type", frozen=True):
+    """The deployment's measured costs, for the prefill throttle: the prefill cost model and
+    the decode-step time it starts from (``scheduling.capacity.MachineCosts``)."""
+
+    prefill_fixed_s: float
+    prefill_token_s: float
+    frame_s: float
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", tag_field="type", frozen=True):
     """Finish or drop running streams, close rings, exit."""
 
@@ -190,7 +209,7 @@ class StageError(msgspec.Struct, tag="stage_error", tag_field="type", frozen=Tru
 
 
 ControlMessage = Union[AddStream, AppendText, CancelStream, StatsRequest, StatsReply, Shutdown,
-                       StageError]
+                       StageError, MeasureCosts, CostUpdate]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
