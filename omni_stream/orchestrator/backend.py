@@ -239,7 +239,8 @@ class PipelineBackend:
                  "bandwidth %.1f GB/s", cap.streams, cap.rtf, costs.bandwidth_gbs)
         if not cap.realtime:
             log.warning(advice(costs, steady=self.schedule.steady,
-                               weight_path=self.s.weight_path, engine=self.s.engine))
+                               weight_path=self.s.weight_path, engine=self.s.engine,
+                               model_size=str(self.cfg.model_size)))
 
     def _apply_costs(self, costs: MachineCosts) -> None:
         self.costs = costs

@@ -378,7 +378,8 @@ def format_costs(costs: MachineCosts, cap: Capacity, *, steady: int,
     return "\n".join(lines)
 
 
-def advice(costs: MachineCosts, *, steady: int, weight_path: str | None, engine: str) -> str:
+def advice(costs: MachineCosts, *, steady: int, weight_path: str | None, engine: str,
+           model_size: str = "") -> str:
     """One start-up line for a machine where not even one stream keeps real time."""
     rtf = costs.rtf(1, steady)
     helps = []
@@ -386,8 +387,10 @@ def advice(costs: MachineCosts, *, steady: int, weight_path: str | None, engine:
         helps.append("--weight-path int4 (faster, less faithful)")
     if engine != "native":
         helps.append("--engine native")
-    helps += ["a smaller model (0.6B)", "client-side decoding (codec frames over the "
-              "WebSocket, Code2Wav on the client)", "more cores or memory bandwidth"]
+    if "0.6" not in model_size:
+        helps.append("a smaller model (0.6B)")
+    helps += ["client-side decoding (codec frames over the WebSocket, Code2Wav on the "
+              "client)", "more cores or memory bandwidth"]
     return (f"not real time here: one stream's measured RTF is {rtf:.2f} (frame "
             f"{1e3 * costs.frame_time_s(1, steady):.0f} ms of each 80 ms; memory bandwidth "
             f"{costs.bandwidth_gbs:.1f} GB/s); every stream's first audio is held back so it "
