@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS, server  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
 
@@ -33,6 +34,7 @@ def main() -> int:
     ap.add_argument("--server-args", default="--max-streams 4")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/attribution_4streams.json"))
     a = ap.parse_args()
+    machine = machine_info()
     with tempfile.TemporaryDirectory() as d:
         os.environ["OMNI_STREAM_STEP_STATS_DIR"] = d
         os.environ["OMNI_STREAM_STEP_STATS_INTERVAL"] = "1"
@@ -49,7 +51,9 @@ def main() -> int:
         from omni_stream.observability.report import build_report, load_dumps, render
 
         rep = build_report(load_dumps(d))
+        print_machine(machine)
         render(rep)
+        rep["machine"] = machine
         rep["command"] = "python benchmarks/tts/attribution_run.py " + " ".join(sys.argv[1:])
         Path(a.out).write_text(json.dumps(rep, indent=1))
         print(f"wrote {a.out}")

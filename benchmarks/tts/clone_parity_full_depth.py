@@ -28,6 +28,8 @@ import numpy as np  # noqa: E402
 import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 TEXT = "Good morning! This sentence is spoken in a cloned voice at the full depth of the model."
 REF_TEXT = "This is how I sound when I read a short passage out loud."
 
@@ -40,6 +42,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="", help="a 0.6b base checkpoint (else one is written)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/clone_parity_full_depth.json"))
     a = ap.parse_args()
+    machine = machine_info()
     from omni_stream.checkpoints.io import load_model, read_config, write_random_checkpoint
     from omni_stream.engine.sampling import SamplingParams
     from omni_stream.engine.synthesis import Synthesizer
@@ -101,7 +104,8 @@ def main() -> int:
                official_seconds=round(official_s, 1), omni_stream_seconds=round(ours_s, 1),
                requests=rows, all_identical=all(r["identical"] and r["ref_codes_identical"]
                                                 and r["x_vector_max_abs_diff"] <= 1e-4
-                                                for r in rows))
+                                                for r in rows), machine=machine)
+    print_machine(machine)
     print(f"{'mode':<9} {'x-vec diff':>10} {'ref codes':>9} {'frames':>7} {'identical':>9}")
     for r in rows:
         print(f"{r['mode']:<9} {r['x_vector_max_abs_diff']:>10.1e} "

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from omni_stream.config import Code2WavConfig
 from omni_stream.models.code2wav import (DEFAULT_GEMM_MIN_CHANNELS, Code2Wav, Code2WavStream,
                                          random_code2wav_state_dict)
 from omni_stream.scheduling.fingerprint import fingerprint_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.machine
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 log = logging.getLogger("code2wav_bench")
 FRAME_MS = 80.0
@@ -117,23 +121,24 @@ def main() -> None:
                     default=Path(__file__).resolve().parent / "results" / "code2wav_bench.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    machine = machine_info()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows = run(args.repeats, args.chunks, args.batches, args.window_batches, args.dtypes,
                args.gemm_min_channels)
     wall = time.perf_counter() - t0
+    print_machine(machine)
     print(_table(rows))
     result = dict(
         benchmark="code2wav_stream_decode", config="Code2WavConfig() (released dims)",
         frame_ms=FRAME_MS, context_frames=CONTEXT, repeats=args.repeats, threads=args.threads,
         gemm_min_channels=args.gemm_min_channels,
         torch=torch.__version__, cpu=fingerprint_info()["cpu_model"], cpu_count=os.cpu_count(),
-        load_avg_at_end=os.getloadavg(), wall_s=round(wall, 1), rows=rows,
+        load_avg_at_end=os.getloadavg(), wall_s=round(wall, 1), machine=machine, rows=rows,
         note="random weights; median of repeats after one warm-up; window baseline uses the "
              "same kernels from a fresh state (25 context + n new frames per call)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import shlex
-    import sys
 
     result["command"] = "python benchmarks/tts/code2wav_bench.py " + shlex.join(sys.argv[1:])
     args.out.write_text(json.dumps(result, indent=2) + "\n")

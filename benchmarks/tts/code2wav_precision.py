@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.machine
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = {
     "quantizer+pre_conv": ["quantizer", "pre_conv"],
@@ -78,6 +81,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "code2wav_precision.json"))
     a = ap.parse_args()
+    machine = machine_info()
     from omni_stream.checkpoints.io import load_codec
 
     torch.manual_seed(a.seed)
@@ -108,6 +112,7 @@ def main() -> int:
             chunking.append({"dtype": name, "plans": [PLAN_A, PLAN_B],
                              "snr_db_between_plans": _snr(y, x),
                              "snr_db_plan_a_vs_fp32": _snr(x, ref[0])})
+    print_machine(machine)
     print(f"{'parts in bf16 (rest fp32)':<40} audio SNR vs fp32 dB")
     for r in rows:
         print(f"{r['bf16']:<40} {r['snr_db']:6.1f}")
@@ -115,7 +120,7 @@ def main() -> int:
     for r in chunking:
         print(f"{r['dtype']:<36} {r['snr_db_between_plans']:>16.1f} {r['snr_db_plan_a_vs_fp32']:>18.1f}")
     doc = {"model": a.model, "frames": a.frames, "seed": a.seed, "rows": rows,
-           "chunking": chunking,
+           "chunking": chunking, "machine": machine,
            "command": "python benchmarks/tts/code2wav_precision.py " + " ".join(sys.argv[1:])}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")

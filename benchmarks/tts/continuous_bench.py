@@ -38,6 +38,7 @@ from typing import AsyncIterator
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import first_voice, pct, server  # noqa: E402
 from clients.continuous import ContinuousResult, speak_continuous  # noqa: E402
 from clients.result import ClientError  # noqa: E402
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests and every rate must be > 0")
     out = Path(args.out or ROOT / f"benchmarks/tts/results/continuous_text_{args.label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
     ctx = (server(args.model, args.server_args.split(), out.with_suffix(".server.log"))
            if args.model else contextlib.nullcontext(args.url))
     t_start = time.monotonic()
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summaries = [summarize(rate, mode, rows[f"{rate:g}/{mode}"]) for rate in rates
                  for mode in MODES]
+    print_machine(machine)
     print(f"{'tok/s':>5} {'mode':>10} {'n':>3} | {'1st audio p50':>13} {'p95':>6} ms | "
           f"{'underruns':>9} {'streams':>7} {'(s)':>6} | {'waited p50':>10} ms | "
           f"{'RTF':>5} | {'audio s':>7} | utts")
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                voice=voice, rates_tps=rates, requests=args.requests,
                max_new_tokens=args.max_new_tokens,
                frames_per_sentence=args.frames_per_sentence, greedy=args.greedy,
-               prebuffer_s=args.prebuffer, paragraphs=PARAGRAPHS,
+               prebuffer_s=args.prebuffer, paragraphs=PARAGRAPHS, machine=machine,
                wall_s=round(time.monotonic() - t_start, 1), summaries=summaries, requests_rows=rows,
                command="python benchmarks/tts/continuous_bench.py " + shlex.join(
                    argv if argv is not None else sys.argv[1:]))

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.frame_bench import median_ms  # noqa: E402
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 PATHS = {  # name: (engine, weight path, dtype)
@@ -145,6 +146,8 @@ def main() -> int:
         a.threads = a.threads_one
         print(json.dumps(speed_worker(a)))
         return 0
+    machine = machine_info()
+    print_machine(machine)
     names = a.paths.split(",")
     speed = []
     for name in names:
@@ -166,7 +169,7 @@ def main() -> int:
     import platform
 
     res = dict(model=a.model, cpu=platform.processor() or _cpu_model(), frames=a.frames,
-               fidelity_frames=a.fidelity_frames, speed=speed, fidelity=fid,
+               fidelity_frames=a.fidelity_frames, speed=speed, fidelity=fid, machine=machine,
                command="python benchmarks/tts/cpu_engine_bench.py " + " ".join(sys.argv[1:]))
     Path(a.out).write_text(json.dumps(res, indent=1))
     Path(a.out).with_suffix(".md").write_text(markdown(res))
@@ -194,6 +197,7 @@ def markdown(res: dict) -> str:
              f"Model `{res['model']}`; medians over {res['frames']} frames; fidelity teacher-forced "
              f"over {res['fidelity_frames']} frames against fp32 torch (the torch-bf16 row is "
              "rounding alone). Command: `" + res["command"] + "`", "",
+             f"Machine: {(res.get('machine') or {}).get('label', 'not recorded')}", "",
              "| path | threads | talker b1 ms | CP sub-step b1 ms | frame b1 ms | GB/s b1 | "
              "frame b4 ms | logits SNR dB | code-0 agree | CP agree |",
              "|---|---|---|---|---|---|---|---|---|---|"]

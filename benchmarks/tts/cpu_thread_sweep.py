@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import level, server, summarize  # noqa: E402
 from clients.stream_client import ClientError, stream_speech  # noqa: E402
 
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or min(levels) < 1:
         ap.error("--concurrency: positive integers, e.g. 1,2")
     extra = args.server_args.split()
+    machine = machine_info()
     t0 = time.monotonic()
     entries = []
     for s in grid:
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                             naive=s.is_naive(cores), best=False, levels=cells))
     best = min(entries, key=rank_key)
     best["best"] = True
+    print_machine(machine)
     print(table(entries))
     print(f"best: {best['setting']} (most levels without underruns, then least underrun time, "
           f"then lowest mean TTFA p50)")
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                max_new_tokens=args.max_new_tokens, server_args=args.server_args,
                warmup=args.warmup, best=best["setting"],
                ranking="most levels with zero underruns, then least underrun_s, then lowest mean TTFA p50",
-               settings=entries, load_avg_at_end=list(os.getloadavg()),
+               settings=entries, load_avg_at_end=list(os.getloadavg()), machine=machine,
                wall_s=round(time.monotonic() - t0, 1),
                command=shlex.join(["python", "benchmarks/tts/cpu_thread_sweep.py",
                                   *(sys.argv[1:] if argv is None else argv)]))

@@ -39,6 +39,9 @@ from omni_stream.export.runtime_torch import load_program
 from omni_stream.checkpoints.io import load_codec
 from omni_stream.models.code2wav import Code2WavStream
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.machine
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 log = logging.getLogger("decoder_export_bench")
 FRAME_S = 0.08
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "decoder_export_bench.json"))
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    machine = machine_info()
     torch.set_num_threads(a.threads)
     model_dir, work = Path(a.model), Path(a.work)
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -158,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                model=str(model_dir), model_size=ident.model_size, codec_sha256=ident.codec_sha256,
                threads=a.threads, dtype="float32", torch=torch.__version__,
                executorch=_version("executorch"), cpu=fingerprint_info(),
-               machine=platform.machine(), load_avg_end=list(os.getloadavg()),
+               arch=platform.machine(), machine=machine, load_avg_end=list(os.getloadavg()),
                exports=exports, rows=rows, wire=wire)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     md = _markdown(out)
     Path(a.out).with_suffix(".md").write_text(md)
+    print_machine(machine)
     print(md)
     return 0
 
@@ -181,6 +186,7 @@ def _markdown(r: dict) -> str:
     lines = [f"# Client-side Code2Wav decode ({r['model_size']} codec, fp32, {r['threads']} thread)",
              "", f"`{r['command']}` (torch {r['torch']}, executorch {r['executorch']}, load at end "
              f"{', '.join(f'{x:.1f}' for x in r['load_avg_end'])})", "",
+             f"Machine: {r['machine']['label']}", "",
              "| backend | chunk (frames) | ms / call | ms / frame | RTF | SNR vs one-pass (dB) |",
              "|---|---|---|---|---|---|"]
     for x in r["rows"]:

@@ -25,6 +25,7 @@ from omni_stream.checkpoints.io import load_model  # noqa: E402
 from omni_stream.models.prompt import PromptRequest  # noqa: E402
 from omni_stream.engine.sampling import SamplingParams  # noqa: E402
 from omni_stream.engine.synthesis import Synthesizer  # noqa: E402
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 PROMPTS = ["Hello world, this is a fidelity check of the fast paths.",
            "Good morning! Numbers like 42 are spoken digit by digit."]
@@ -49,6 +50,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/fidelity_bench.json"))
     a = ap.parse_args()
+    machine = machine_info()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     ref = run(a.model, torch.float32, a.frames)
@@ -64,11 +66,12 @@ def main() -> int:
                              agreement_per_codebook=[round(float(x), 3) for x in eq.mean(axis=0)],
                              agreement_codebook0=round(float(eq[:, 0].mean()), 3),
                              agreement_all=round(float(eq.mean()), 3)))
+    print_machine(machine)
     print(f"{'path':6} {'prompt':>6} {'frames':>6} {'1st diff':>8} {'cb0 agr':>8} {'all agr':>8}")
     for r in rows:
         print(f"{r['path']:6} {r['prompt']:>6} {r['frames']:>6} {str(r['first_diff_frame']):>8} "
               f"{r['agreement_codebook0']:8.3f} {r['agreement_all']:8.3f}")
-    Path(a.out).write_text(json.dumps(dict(model=a.model, rows=rows, seconds=time.perf_counter() - t0,
+    Path(a.out).write_text(json.dumps(dict(model=a.model, rows=rows, seconds=time.perf_counter() - t0, machine=machine,
                                            command="python " + " ".join(sys.argv)), indent=2))
     print(f"wrote {a.out}")
     return 0

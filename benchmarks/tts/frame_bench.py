@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 
 
@@ -142,6 +145,7 @@ def main() -> int:
         args.threads = int(args.threads)
         print(json.dumps(worker(args)))
         return 0
+    machine = machine_info()
     rows, off = [], []
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for dt in args.dtypes.split(","):
@@ -159,6 +163,7 @@ def main() -> int:
                     print(f"official run failed for {dt}/{th}", file=sys.stderr)
                     return 1
                 off.append(o)
+    print_machine(machine)
     print(f"{'dtype':5} {'thr':>3} | {'talker':>8} {'cp(15)':>8} {'c2w/fr':>8} {'ours/fr':>8} "
           f"{'floor':>7} {'x floor':>7} | {'official/fr':>11} {'speedup':>7}")
     for i, r in enumerate(rows):
@@ -183,7 +188,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(model=str(args.model), frames=args.frames, ours=rows,
-                                   official=off, best=best,
+                                   official=off, best=best, machine=machine,
                                    command=" ".join(["python", "benchmarks/tts/frame_bench.py"] + sys.argv[1:])),
                               indent=2))
     print(f"wrote {out}")

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS, first_voice, server  # noqa: E402
 
 
@@ -42,6 +43,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     out = Path(a.out or ROOT / f"benchmarks/tts/results/fresh_client_{a.preset}.json")
+    machine = machine_info()
+    print_machine(machine)
     rows = []
     with tempfile.TemporaryDirectory() as td:
         ckpt, cache = Path(td) / "ckpt", Path(td) / "cache"
@@ -77,9 +80,11 @@ def main() -> int:
                server_ready_s=round(ready_s, 1), ttfa_ms_p50=statistics.median(ttfa),
                ttfa_ms_p95=pct(ttfa, 0.95), rtf_p50=statistics.median(rtf), rtf_max=max(rtf),
                underruns=sum(r["underruns"] for r in rows),
-               streams_with_underruns=sum(1 for r in rows if r["underruns"]), rows=rows,
+               streams_with_underruns=sum(1 for r in rows if r["underruns"]), machine=machine,
+               rows=rows,
                command=" ".join(["python", "benchmarks/tts/fresh_client_run.py"]
                                 + [shlex.quote(x) for x in sys.argv[1:]]))
+    print_machine(machine)
     print(f"n = {len(rows)}: TTFA p50 {doc['ttfa_ms_p50']:.0f} ms (p95 {doc['ttfa_ms_p95']:.0f}), "
           f"RTF p50 {doc['rtf_p50']:.2f} (max {doc['rtf_max']:.2f}), underruns {doc['underruns']} "
           f"in {doc['streams_with_underruns']} streams; server ready {ready_s:.1f} s after launch "

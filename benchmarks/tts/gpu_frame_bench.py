@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 FRAME_MS = 80.0
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("CUDA graphs need --device cuda; pass --no-graphs on CPU")
     if not modes:
         ap.error("--no-graphs and --no-eager leave nothing to run")
+    machine = machine_info()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors[m] = f"{type(e).__name__}: {e}"
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+    print_machine(machine)
     print(table(rows))
     speedup = {}
     if not errors and len(modes) == 2:
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                dtype=dtype, torch=torch.__version__, max_seq_len=args.max_seq_len,
                frames=args.frames, warmup=args.warmup, sampling="greedy" if args.greedy else "official",
                threads=torch.get_num_threads(), load_s=round(load_s, 1), rows=rows,
-               graphs_speedup=speedup, errors=errors, cpu_count=os.cpu_count(),
+               graphs_speedup=speedup, errors=errors, cpu_count=os.cpu_count(), machine=machine,
                command=shlex.join(["python", "benchmarks/tts/gpu_frame_bench.py",
                                   *(sys.argv[1:] if argv is None else argv)]))
     out.write_text(json.dumps(doc, indent=1) + "\n")

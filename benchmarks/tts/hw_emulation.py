@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 ARM_ISA = ["neon", "asimd", "asimdhp", "asimddp", "fphp"]
 MACHINES: dict[str, dict | None] = {
@@ -79,6 +82,7 @@ def main() -> int:
     ap.add_argument("--doc", default=str(ROOT / "docs" / "profiles.md"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/hw_emulation.json"))
     a = ap.parse_args()
+    machine = machine_info()
     results = {name: run(a.model, ov) for name, ov in MACHINES.items()}
     names = list(results)
     short = [n.split(":")[0] for n in names]
@@ -108,9 +112,10 @@ def main() -> int:
         lines.append("  Sources: " + "; ".join(f"{s}: {', '.join(ks)}" for s, ks in sorted(by.items())))
     text = "\n".join(lines) + "\n"
     Path(a.doc).write_text(text)
-    Path(a.out).write_text(json.dumps(dict(model=a.model, machines=results,
+    Path(a.out).write_text(json.dumps(dict(model=a.model, machines=results, machine=machine,
                                            command=" ".join(["python", "benchmarks/tts/hw_emulation.py"] + sys.argv[1:])),
                                       indent=2))
+    print_machine(machine)
     print(text)
     print(f"wrote {a.doc} and {a.out}")
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS, pct, server  # noqa: E402
 from clients.playback import simulate_playback  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
@@ -73,6 +74,7 @@ def main() -> int:
     ap.add_argument("--server-args", default="--max-streams 8 --max-seq-len 1024")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/load_test.json"))
     a = ap.parse_args()
+    machine = machine_info()
     rows = {}
     log = Path(a.out).with_suffix(".server.log")
     for rep in range(a.repeats):
@@ -87,7 +89,9 @@ def main() -> int:
     med = {m: {k: float(sorted(x[k] for x in v)[len(v) // 2]) for k in
                ("gap_ms_p50", "gap_ms_p99", "gap_ms_max", "underruns", "underrun_s",
                 "newcomer_ttfa_ms_p50")} for m, v in rows.items()}
-    print(f"\n{'throttling':10} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8} ms | {'underruns':>9} "
+    print()
+    print_machine(machine)
+    print(f"{'throttling':10} | {'gap p50':>8} {'gap p99':>8} {'gap max':>8} ms | {'underruns':>9} "
           f"{'(s)':>6} | newcomer TTFA p50 ms")
     for m, r in med.items():
         print(f"{m:10} | {r['gap_ms_p50']:8.0f} {r['gap_ms_p99']:8.0f} {r['gap_ms_max']:8.0f}    | "
@@ -97,6 +101,7 @@ def main() -> int:
     print("throttling lowers the p99 gap and underruns:", better)
     Path(a.out).write_text(json.dumps(dict(
         model=a.model, settings=vars(a), median=med, runs=rows, throttling_better=better,
+        machine=machine,
         command="python benchmarks/tts/load_test.py " + " ".join(sys.argv[1:])), indent=1))
     print(f"wrote {a.out}")
     return 0

@@ -39,6 +39,9 @@ from omni_stream.checkpoints.io import load_model
 from omni_stream.models.prompt import PromptRequest
 from omni_stream.scheduling.fingerprint import fingerprint_info
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.machine
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 log = logging.getLogger("npu_step_bench")
 RESULTS = Path(__file__).resolve().parent / "results"
 REQ = PromptRequest(text="Hello world, this is a test of the phone decoder.", language="english", speaker="ryan")
@@ -95,6 +98,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("onnxscript", "onnx_ir", "torch.onnx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    machine = machine_info()
     torch.set_num_threads(args.threads)
     if not Path(args.model, "config.json").is_file():
         subprocess.run([sys.executable, "-m", "omni_stream.cli", "make-checkpoint", "--preset", "0.6b",
@@ -163,6 +167,7 @@ def main() -> None:
                      f"{r['graph_mb']:.0f} | {r['fidelity_vs']} | {r['fidelity_rows']} | {r['snr_db']:.1f} | "
                      f"{r['top1']:.3f} | {r['top5']:.3f} |")
     table = "\n".join(lines)
+    print_machine(machine)
     print(table)
     info = fingerprint_info()
     result = dict(
@@ -173,7 +178,7 @@ def main() -> None:
         threads=args.threads, reps=args.reps, onnxruntime=__import__("onnxruntime").__version__,
         torch=torch.__version__, cpu=info["cpu_model"], cpu_count=os.cpu_count(),
         loadavg=os.getloadavg(), history=dict(prompt=hist.prompt_len, frames=args.frames),
-        rows=rows)
+        machine=machine, rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     md = args.out.with_suffix(".md")

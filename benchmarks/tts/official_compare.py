@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS  # noqa: E402
 from omni_stream.scheduling.fingerprint import fingerprint_info  # noqa: E402
 
@@ -226,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     texts = TEXTS[:args.texts]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
     t0 = time.perf_counter()
     off = run_official(model, texts, args.frames, dtype, args.threads, out.with_suffix(".official.log"))
     ours = run_ours(model, texts, args.frames, dtype, args.threads, args.chunk, args.engine,
                     args.weight_path)
     rows = compare(texts, off, ours)
+    print_machine(machine)
     print(table(rows, args.chunk))
     summary = dict(
         speedup_vs_official_per_frame=_median([r["ratio_ms_per_frame"] for r in rows]),
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                "the sides run one after the other in this process / its child, never at once"],
         torch=__import__("torch").__version__, cpu=fingerprint_info()["cpu_model"], cpu_count=os.cpu_count(),
         load_avg_at_end=list(os.getloadavg()), wall_s=round(time.perf_counter() - t0, 1),
+        machine=machine,
         command=shlex.join(["python", "benchmarks/tts/official_compare.py",
                                   *(sys.argv[1:] if argv is None else argv)]))
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -23,6 +23,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS, server  # noqa: E402
 
 SPF = 1920
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/overload_test.json"))
     a = ap.parse_args()
     a.clients = a.clients or 4 * a.max_streams
+    machine = machine_info()
     args = ["--max-streams", str(a.max_streams), "--max-queue", str(a.max_queue),
             "--queue-timeout", str(a.queue_timeout), "--max-seq-len", "512"]
     with server(a.model, args, Path(a.out).with_suffix(".server.log")) as url:
@@ -95,12 +97,13 @@ def main() -> int:
     refusals = sum(v for k, v in res.items() if k.startswith("status_"))
     ok = (res.get("health_after") == 200 and not res["errors"] and res.get("bad_length", 0) == 0
           and res.get("transport_errors", 0) == 0 and res.get("completed", 0) > 0)
+    print_machine(machine)
     print(f"{a.clients} clients vs {a.max_streams} admitted streams for {a.duration:.0f} s: "
           f"{res.get('completed', 0)} streams completed to the sample ({res['audio_s']:.1f} s audio), "
           f"{refusals} refusals ({', '.join(f'{k}={v}' for k, v in res.items() if k.startswith('status_'))}), "
           f"errors {len(res['errors'])}, health after {res.get('health_after')}")
     print("PASS" if ok else "FAIL")
-    Path(a.out).write_text(json.dumps(dict(settings=vars(a), result=res, passed=ok,
+    Path(a.out).write_text(json.dumps(dict(settings=vars(a), result=res, passed=ok, machine=machine,
                                            command="python benchmarks/tts/overload_test.py "
                                            + " ".join(sys.argv[1:])), indent=1))
     return 0 if ok else 1

@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 REQUESTS = [
     dict(id="en", text="Hello world, this is a streaming text to speech parity test sentence, "
          "read at the full depth of the released model.", speaker="ryan", language="english"),
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="", help="reuse a 0.6b custom_voice checkpoint folder")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/parity_full_depth.json"))
     a = ap.parse_args()
+    machine = machine_info()
     from omni_stream.checkpoints.io import load_model, read_config, write_random_checkpoint
     from omni_stream.engine.sampling import SamplingParams
     from omni_stream.engine.synthesis import Synthesizer
@@ -86,14 +89,16 @@ def main() -> int:
                          first_mismatch=mism[0].tolist() if mism.size else None))
     t_ours = time.perf_counter() - t0
     ok = all(x["identical"] and x["frames_compared"] >= min(64, a.frames) for x in rows)
-    print(f"\n{'request':12} {'frames':>7} {'identical':>9} first mismatch")
+    print()
+    print_machine(machine)
+    print(f"{'request':12} {'frames':>7} {'identical':>9} first mismatch")
     for x in rows:
         print(f"{x['id']:12} {x['frames_compared']:7d} {str(x['identical']):>9} {x['first_mismatch']}")
     print(f"official {t_official:.0f} s, omni-stream {t_ours:.0f} s; parity: {'yes' if ok else 'NO'}")
     Path(a.out).write_text(json.dumps(dict(
         depth={"talker_layers": depth[0], "code_predictor_layers": depth[1]}, preset="0.6b",
         variant="custom_voice", dtype="float32", seed=a.seed, frames=a.frames, rows=rows,
-        parity=ok, official_s=t_official, omni_stream_s=t_ours,
+        parity=ok, official_s=t_official, omni_stream_s=t_ours, machine=machine,
         command="python benchmarks/tts/parity_full_depth.py " + " ".join(sys.argv[1:])), indent=1))
     print(f"wrote {a.out}")
     return 0 if ok else 1

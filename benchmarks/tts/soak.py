@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import pct, server  # noqa: E402
 from clients.playback import simulate_playback  # noqa: E402
 
@@ -241,6 +242,7 @@ def main() -> int:
         mean = sum(40 + 12 * 1.4 * len(random_text(rng).split()) for _ in range(2000)) / 2000
         a.streams = int(a.frames / mean / (1 - a.disconnect_share) * 1.05) + 1
     log = Path(a.out).with_suffix(".server.log")
+    machine = machine_info()
     t0 = time.monotonic()
     kill_info: dict = {}
     with server(a.model, a.server_args.split(), log) as url:
@@ -298,14 +300,16 @@ def main() -> int:
         gap_ms_p50=pct(gaps, 0.5) * 1e3, gap_ms_p99=pct(gaps, 0.99) * 1e3, gap_n=len(gaps),
         underruns_complete=underruns, kill=kill_info and {k: v for k, v in kill_info.items() if k != "t"},
         failures=[{"kind": o.kind, "status": o.status, "error": o.error[:300]} for o in failed][:20],
-        settings=vars(a), command="python benchmarks/tts/soak.py " + " ".join(sys.argv[1:]))
+        settings=vars(a), machine=machine, command="python benchmarks/tts/soak.py " + " ".join(sys.argv[1:]))
     ok = (res["failed_other"] == 0 and res["invalid_codes_client"] == 0
           and res["streams_failed_invalid_code_server"] == 0
           and res["stage_deaths_not_injected"] == 0 and res["slots_free_end"] == res["slots_total"]
           and res["active_streams_end"] == 0 and not res["shm_leaked_after_exit"]
           and res["shm_while_idle_equals_running"] and frames >= a.frames)
     res["pass"] = ok
-    print(f"\n{'streams':>8} {'frames':>8} {'complete':>8} {'cut':>5} {'killed':>6} {'failed':>6} "
+    print()
+    print_machine(machine)
+    print(f"{'streams':>8} {'frames':>8} {'complete':>8} {'cut':>5} {'killed':>6} {'failed':>6} "
           f"{'invalid':>7} {'deaths':>6} {'slots':>7} {'shm leak':>8} {'gap p99 ms':>10}")
     print(f"{res['streams']:8d} {frames:8d} {res['complete']:8d} {res['disconnected']:5d} "
           f"{res['failed_by_kill']:6d} {res['failed_other']:6d} {res['invalid_codes_client']:7d} "

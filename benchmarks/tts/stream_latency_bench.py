@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from clients.stream_client import ClientError, stream_speech  # noqa: E402
 
 TEXTS = [
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
     ctx = server(args.model, args.server_args.split(), out.with_suffix(".server.log")) if args.model \
         else contextlib.nullcontext(args.url)
     from rich.progress import Progress
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"benchmark failed: server unreachable: {e}", file=sys.stderr)
         return 1
+    print_machine(machine)
     print(f"{'conc':>4} {'n':>3} | {'TTFA p50':>8} {'p95':>7} {'p99':>7} ms | {'RTF':>5} | "
           f"{'max gap':>8} ms | {'underruns':>9} {'(s)':>6} | realtime")
     for s in summaries:
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             if m:
                 profile[key] = m.group(1)
     doc = dict(label=args.label, model=args.model or args.url, prebuffer_s=args.prebuffer,
-               server_args=args.server_args, profile=profile,
+               server_args=args.server_args, profile=profile, machine=machine,
                summaries=summaries, streams=results,
                command="python benchmarks/tts/stream_latency_bench.py " + shlex.join(argv or sys.argv[1:]))
     out.write_text(json.dumps(doc, indent=1))

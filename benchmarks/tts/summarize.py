@@ -4,17 +4,27 @@ Reads every ``*.json`` under ``--results`` (default benchmarks/tts/results/) and
 
   SUMMARY.md    one section per file: known files (frame_bench, code2wav_bench, transport_bench,
                 fidelity_bench, attribution*, stream_latency*, official_compare,
-                cpu_thread_sweep, gpu_frame_bench, continuous_text*) as purpose-made tables,
-                anything else flattened generically; the headline numbers of summary.json on top.
-  summary.json  headline numbers, each taken from the newest file that holds it, with the
+                cpu_thread_sweep, gpu_frame_bench, continuous_text*, voice_clone*,
+                capacity_bench*) as purpose-made tables, anything else flattened generically,
+                each under the machine it ran on and when; the headline numbers of
+                summary.json on top (with machine, run time and staleness per row).
+  summary.json  headline numbers, each taken from the latest run that holds it, with the
                 ``command`` that produced it (``commands``), where it came from (``sources``),
-                and, for a number that cannot be computed, null plus the reason (``missing``).
-                Nothing is estimated or carried over from an earlier summary.
+                the machine it ran on (``machines``: the file's ``machine`` label, else
+                "machine not recorded"), when it ran (``run_at``), ``stale`` (a newer run of the
+                same benchmark exists that does not give the number) and, for a number that
+                cannot be computed, null plus the reason (``missing``). Nothing is estimated or
+                carried over from an earlier summary.
   plots/        TTFA p50/p95 and RTF vs concurrency (one line per stream_latency*.json run) and
                 a chunk-arrival timeline of one stream: cumulative audio delivered vs real-time
                 playback started at the first chunk (below the line = the player starves).
 
     python benchmarks/tts/summarize.py [--results DIR] [--no-plots]
+
+When a run happened: the JSON's own timestamp (``machine.measured_at``, written by
+benchmarks/tts/machine.py, or a top-level ``measured_at`` / ``generated_at`` / ``timestamp``);
+else, for a file git tracks unmodified, the commit that last wrote its content (a checkout
+gives every file the same mtime); else the file's mtime.
 
 Plots need matplotlib (``pip install matplotlib``); without it the tables and summary.json are
 still written and the script says so and exits with status 2.
@@ -27,6 +37,8 @@ import datetime as dt
 import fnmatch
 import json
 import math
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +63,21 @@ HEADLINE += CONTINUOUS_KEYS
 CLONE_KEYS = ("voice_register_s_10s_0_6b", "ttfa_ms_p50_default_voice_0_6b_base",
               "ttfa_ms_p50_clone_x_vector_0_6b", "ttfa_ms_p50_clone_icl_0_6b")
 HEADLINE += CLONE_KEYS
+# capacity_bench*.json (benchmarks/tts/capacity_bench.py): the capacity /health advertises, kept?
+CAPACITY_KEYS = ("capacity_streams_0_6b", "rtf_estimate_0_6b", "capacity_realtime_0_6b",
+                 "capacity_bandwidth_gbs_0_6b", "capacity_underruns_admitted",
+                 "capacity_underruns_within_capacity", "capacity_refused_within_capacity",
+                 "capacity_refusals_without_retry_after", "capacity_failures",
+                 "capacity_bench_machine")
+HEADLINE += CAPACITY_KEYS
 LOW_BIT = ("int8", "int4")
+# serve flags that change the decode path or the chunk schedule: a run with none of them ran the
+# default profile (what `omni-stream serve --model DIR` does on that machine)
+PATH_FLAGS = ("--profile", "--dtype", "--device", "--weight-path", "--engine", "--compile",
+              "--no-compile", "--fidelity-first", "--no-fidelity-first", "--placement",
+              "--talker-threads", "--codec-threads", "--cp-threads", "--no-lend-cores",
+              "--first-chunk", "--steady-chunk", "--no-throttle")
+NOT_RECORDED = "machine not recorded"
 
 
 # ----------------------------------------------------------------------------- markdown helpers
@@ -258,13 +284,41 @@ def r_continuous_text(d: dict) -> str:
         "utterances_mean"])
 
 
+def r_capacity(d: dict) -> str:
+    md = meta_line(d, ("label", "model", "server_args", "frames", "samples", "max_rounds",
+                       "prebuffer_s", "wall_s"))
+    h = d.get("health") or {}
+    md += ("/health at start: " + ", ".join(f"{k} `{cell(h.get(k))}`" for k in (
+        "capacity_streams", "rtf_estimate", "realtime", "contention", "bandwidth_gbs", "margin",
+        "slots")) + ". Each level sends rounds of N requests at once (a player starts at the "
+        "first byte) until the admitted streams measured reach `samples`; refusals are counted "
+        "by status and by whether they carried Retry-After.\n\n")
+    rows = []
+    for s in d["summaries"]:
+        rows.append([s["concurrency"], "yes" if s.get("within_capacity") else "no", s["rounds"],
+                     s["offered"], s["admitted"], s["refused_429"], s["refused_503"],
+                     f"{s['refused_with_retry_after']}/{s['refused']}",
+                     ", ".join(f"{k}: {v}" for k, v in s["other_status"].items()) or "–",
+                     s["errors"], s["underruns"], s["underrun_s"], s["ttfa_ms_p50"],
+                     s["ttfa_ms_p95"], s["ttfa_n"], s["rtf_p50"], s["rtf_max"],
+                     s["capacity_after"], s["rtf_estimate_after"]])
+    md += table(["conc", "<= capacity", "rounds", "offered", "admitted", "429", "503",
+                 "with Retry-After", "other status", "errors", "underruns", "underrun s",
+                 "TTFA p50 ms", "p95", "n", "RTF p50", "RTF max", "capacity after",
+                 "RTF est. after"], rows)
+    for title, key in (("Failures", "failures"), ("Notes", "notes")):
+        if d.get(key):
+            md += f"\n{title}:\n\n" + "".join(f"- {x}\n" for x in d[key])
+    return md
+
+
 RENDERERS: list[tuple[str, Callable[[dict], str]]] = [
     ("frame_bench*.json", r_frame_bench), ("code2wav_bench*.json", r_code2wav),
     ("transport_bench*.json", r_transport), ("fidelity_bench*.json", r_fidelity),
     ("attribution*.json", r_attribution), ("stream_latency*.json", r_stream_latency),
     ("official_compare*.json", r_official), ("cpu_thread_sweep*.json", r_thread_sweep),
     ("gpu_frame_bench*.json", r_gpu_frame), ("continuous_text*.json", r_continuous_text),
-    ("voice_clone*.json", r_voice_clone)]
+    ("voice_clone*.json", r_voice_clone), ("capacity_bench*.json", r_capacity)]
 
 
 def render(name: str, doc: Any) -> str:
@@ -275,6 +329,103 @@ def render(name: str, doc: Any) -> str:
             except (KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:
                 return f"_(layout not recognised by {fn.__name__}: {e!r}; generic view)_\n\n" + r_generic(doc)
     return r_generic(doc)
+
+
+# ----------------------------------------------------------------------------- runs: when, where
+def own_timestamp(doc: Any) -> float | None:
+    """The run's own time, from the JSON: machine.measured_at, else a top-level timestamp."""
+    if not isinstance(doc, dict):
+        return None
+    m = doc.get("machine")
+    stamps = [m.get("measured_at")] if isinstance(m, dict) else []
+    stamps += [doc.get(k) for k in ("measured_at", "generated_at", "timestamp", "started_at")]
+    for v in stamps:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1e9:
+            return float(v)
+        if isinstance(v, str):
+            try:
+                t = dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
+    return None
+
+
+def git_content_times(folder: Path, names: list[str]) -> dict[str, float]:
+    """Commit time of the last change to each file's content (renames followed), for the files
+    git tracks unmodified; {} where git is not there."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(folder), *a], capture_output=True, text=True,
+                              timeout=30, check=True).stdout
+    try:
+        changed = {Path(line[3:].split(" -> ")[-1].strip().strip('"')).name
+                   for line in git("status", "--porcelain", "--untracked-files=all", "--", ".")
+                   .splitlines() if line.strip()}
+        out = {}
+        for n in names:
+            if n in changed:
+                continue
+            t = git("log", "-1", "--follow", "--diff-filter=AM", "--format=%ct", "--", n).strip()
+            if t:
+                out[n] = float(t)
+        return out
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+
+
+def run_times(folder: Path, docs: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """name -> (when the run happened, how that is known: json / git / mtime)."""
+    git_t = git_content_times(folder, [n for n, d in docs.items() if own_timestamp(d) is None])
+    out = {}
+    for n, d in docs.items():
+        t = own_timestamp(d)
+        if t is not None:
+            out[n] = (t, "json")
+        elif n in git_t:
+            out[n] = (git_t[n], "git")
+        else:
+            out[n] = ((folder / n).stat().st_mtime, "mtime")
+    return out
+
+
+def iso(t: float | None) -> str | None:
+    return None if t is None else dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M UTC")
+
+
+def machine_of(doc: Any) -> str:
+    """The ``machine`` label a benchmark recorded (benchmarks/tts/machine.py), else
+    'machine not recorded' (with the file's own cpu field where it has one)."""
+    m = doc.get("machine") if isinstance(doc, dict) else None
+    if isinstance(m, dict) and m.get("label"):
+        return str(m["label"])
+    cpu = doc.get("cpu") if isinstance(doc, dict) else None
+    if isinstance(cpu, dict):
+        cpu = cpu.get("cpu_model")
+    return f"{NOT_RECORDED} (cpu field: {cpu})" if isinstance(cpu, str) and cpu else NOT_RECORDED
+
+
+def server_args_of(doc: dict) -> list[str] | None:
+    """The serve flags of a run: its ``server_args``, else the --server-args of its command;
+    None when neither says."""
+    if isinstance(doc.get("server_args"), str):
+        return shlex.split(doc["server_args"])
+    try:
+        cmd = shlex.split(str(doc.get("command") or ""))
+    except ValueError:
+        return None
+    for i, tok in enumerate(cmd):
+        if tok.startswith("--server-args="):
+            return shlex.split(tok.split("=", 1)[1])
+        if tok == "--server-args" and i + 1 < len(cmd):
+            return shlex.split(cmd[i + 1])
+    return [] if doc.get("command") else None
+
+
+def default_path(doc: dict) -> bool:
+    """Served with the default profile: no flag that changes the decode path or the chunks."""
+    args = server_args_of(doc)
+    return args is not None and not any(a.split("=", 1)[0] in PATH_FLAGS for a in args)
 
 
 # ----------------------------------------------------------------------------- summary.json
@@ -307,23 +458,46 @@ def weight_path_of(doc: dict) -> str | None:
     return None
 
 
-def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dict:
+def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
+                  time_source: dict[str, str] | None = None) -> dict:
+    """``files``: name -> (when the run happened, document); ``time_source``: name -> how that
+    time is known (json / git / mtime)."""
     values: dict[str, Any] = {k: None for k in HEADLINE}
     commands: dict[str, str | None] = {k: None for k in HEADLINE}
     sources: dict[str, dict] = {}
     missing: dict[str, str] = {}
     missing_cmd: dict[str, str] = {}
+    machines: dict[str, str] = {}
+    run_at: dict[str, str | None] = {}
+    stale: dict[str, str] = {}
+    time_source = time_source or {}
 
     def newest(pattern: str) -> tuple[str, dict] | None:
         hits = [(n, d) for n, (_, d) in files.items() if fnmatch.fnmatch(n, pattern) and isinstance(d, dict)]
         return max(hits, key=lambda nd: files[nd[0]][0]) if hits else None
 
-    def put(key: str, value: Any, name: str, doc: dict, detail: str) -> None:
+    def put(key: str, value: Any, name: str, doc: dict, detail: str,
+            family: str | list[str] | None = None) -> None:
+        """``family``: the runs of the same benchmark (a pattern or names); a newer one than
+        ``name`` marks the value stale (that run does not give it)."""
         values[key] = value
         commands[key] = doc.get("command")
-        sources[key] = {"file": name, "detail": detail}
+        when = files[name][0]
+        machines[key] = machine_of(doc)
+        run_at[key] = iso(when)
+        sources[key] = {"file": name, "detail": detail, "machine": machines[key],
+                        "run_at": run_at[key], "run_at_from": time_source.get(name, "mtime")}
         if not doc.get("command"):
             missing_cmd[key] = f"{name} has no 'command' field"
+        names = ([n for n in files if fnmatch.fnmatch(n, family)] if isinstance(family, str)
+                 else family or [])
+        newer = sorted((n for n in names if n != name and files[n][0] > when),
+                       key=lambda n: -files[n][0])
+        if newer:
+            stale[key] = (f"{', '.join(f'{n} ({iso(files[n][0])})' for n in newer[:3])} ran after "
+                          f"{name} ({run_at[key]}) and does not give this number")
+        else:
+            stale.pop(key, None)
 
     # speedup vs official
     oc, fb = newest("official_compare*.json"), newest("frame_bench*.json")
@@ -334,52 +508,70 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
             f"path {oc[1].get('weight_path') or oc[1].get('dtype')}; {oc[1].get('threads')} threads)")
     elif fb and isinstance(fb[1].get("best", {}).get("bf16", {}).get("speedup"), (int, float)):
         put("speedup_vs_official_per_frame", fb[1]["best"]["bf16"]["speedup"], fb[0], fb[1],
-            "fallback: frame_bench best bf16 speedup (each side at its best thread count)")
+            "fallback: frame_bench best bf16 speedup (each side at its best thread count)",
+            family="official_compare*.json")
     else:
         missing["speedup_vs_official_per_frame"] = (
             "no official_compare.json with speedup_vs_official_per_frame and no frame_bench.json "
             "with an official bf16 run")
 
-    # streaming latency of the 0.6B shape at concurrency 1 (CPU, and CUDA separately)
+    # streaming latency of the 0.6B shape at concurrency 1 (CPU: the latest run of the default
+    # profile, whatever path it picked; CUDA: the latest run on exact weights)
     runs = latency_runs(files)
-    for suffix, want_cuda in (("", False), ("_cuda", True)):
-        k_ttfa, k_rtf = f"ttfa_ms_p50_c1_0_6b{suffix}", f"rtf_c1_0_6b{suffix}"
-        found = None
-        for name, d in runs:
-            if ("06b" in _norm(d.get("label")) + " " + _norm(d.get("model"))
-                    and is_cuda(d) == want_cuda and weight_path_of(d) is None):
-                c1 = [s for s in d["summaries"] if s.get("concurrency") == 1]
-                if c1:
-                    found = (name, d, c1[0])
-                    break
-        if found:
-            name, d, s = found
-            where = f"label {d.get('label')!r}, model {d.get('model')!r}, concurrency 1"
-            put(k_ttfa, s["ttfa_ms_p50"], name, d, where)
-            put(k_rtf, s["rtf_mean"], name, d, where + ", mean RTF over streams")
-        else:
-            why = (f"no stream_latency*.json on {'CUDA' if want_cuda else 'CPU'} whose label or "
-                   "model names 0.6b with a concurrency-1 level")
-            missing[k_ttfa] = missing[k_rtf] = why
 
-    # the same on a low-bit weight path (CPU): the fastest path's run, with its name
-    best_q = None
-    for name, d in runs:
-        wp = weight_path_of(d)
-        if wp and "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and not is_cuda(d):
-            c1 = [s for s in d["summaries"] if s.get("concurrency") == 1]
-            if c1 and (best_q is None or c1[0]["rtf_mean"] < best_q[3]["rtf_mean"]):
-                best_q = (name, d, wp, c1[0])
+    def is_06b(d: dict) -> bool:
+        return "06b" in _norm(d.get("label")) + " " + _norm(d.get("model"))
+
+    def c1_of(d: dict) -> dict | None:
+        return next((s for s in d["summaries"] if s.get("concurrency") == 1), None)
+
+    def path_of(d: dict) -> str:
+        prof = d.get("profile") or {}
+        return (f"weight path {prof.get('weight_path') or weight_path_of(d) or 'exact'}, engine "
+                f"{prof.get('engine') or 'torch'}")
+
+    cpu_default = [(n, d) for n, d in runs if is_06b(d) and not is_cuda(d) and default_path(d)]
+    found = next(((n, d, c1_of(d)) for n, d in cpu_default if c1_of(d)), None)
+    if found:
+        name, d, s = found
+        where = (f"latest 0.6B CPU run of the default profile ({path_of(d)}), label "
+                 f"{d.get('label')!r}, concurrency 1, n = {s.get('streams')} streams")
+        put("ttfa_ms_p50_c1_0_6b", s["ttfa_ms_p50"], name, d, where, family=[n for n, _ in cpu_default])
+        put("rtf_c1_0_6b", s["rtf_mean"], name, d, where + ", mean RTF over streams",
+            family=[n for n, _ in cpu_default])
+    else:
+        missing["ttfa_ms_p50_c1_0_6b"] = missing["rtf_c1_0_6b"] = (
+            "no CPU stream_latency*.json whose label or model names 0.6b, served with the default "
+            f"profile (none of {', '.join(PATH_FLAGS)} in its server args), with a concurrency-1 "
+            "level")
+    cuda_runs = [(n, d) for n, d in runs if is_06b(d) and is_cuda(d) and weight_path_of(d) is None]
+    found = next(((n, d, c1_of(d)) for n, d in cuda_runs if c1_of(d)), None)
+    if found:
+        name, d, s = found
+        where = (f"latest 0.6B CUDA run on exact weights, label {d.get('label')!r}, model "
+                 f"{d.get('model')!r}, concurrency 1, n = {s.get('streams')} streams")
+        put("ttfa_ms_p50_c1_0_6b_cuda", s["ttfa_ms_p50"], name, d, where)
+        put("rtf_c1_0_6b_cuda", s["rtf_mean"], name, d, where + ", mean RTF over streams")
+    else:
+        missing["ttfa_ms_p50_c1_0_6b_cuda"] = missing["rtf_c1_0_6b_cuda"] = (
+            "no stream_latency*.json on CUDA whose label or model names 0.6b with a concurrency-1 "
+            "level")
+
+    # the same on a low-bit weight path (CPU): the latest such run, with its path and engine
+    low_bit = [(n, d) for n, d in runs if weight_path_of(d) and is_06b(d) and not is_cuda(d)]
+    best_q = next(((n, d, weight_path_of(d), c1_of(d)) for n, d in low_bit if c1_of(d)), None)
     if best_q:
         name, d, wp, s = best_q
         engine = (d.get("profile") or {}).get("engine") or (
             "native" if "--engine native" in str(d.get("server_args")) else "torch")
-        where = (f"label {d.get('label')!r}, weight path {wp}, engine {engine}, concurrency 1, "
-                 "mean RTF over streams (fastest low-bit run)")
-        put("rtf_c1_0_6b_quantized", s["rtf_mean"], name, d, where)
-        put("ttfa_ms_p50_c1_0_6b_quantized", s["ttfa_ms_p50"], name, d, where)
-        put("quantized_path", wp, name, d, where)
-        put("engine_0_6b_quantized", engine, name, d, where)
+        where = (f"latest low-bit 0.6B CPU run, label {d.get('label')!r}, weight path {wp}, engine "
+                 f"{engine}, concurrency 1, n = {s.get('streams')} streams, mean RTF over streams")
+        # stale when a newer default-profile run exists on exact weights
+        fam = sorted({n for n, _ in low_bit} | {n for n, _ in cpu_default})
+        put("rtf_c1_0_6b_quantized", s["rtf_mean"], name, d, where, family=fam)
+        put("ttfa_ms_p50_c1_0_6b_quantized", s["ttfa_ms_p50"], name, d, where, family=fam)
+        put("quantized_path", wp, name, d, where, family=fam)
+        put("engine_0_6b_quantized", engine, name, d, where, family=fam)
         ce = newest("cpu_engine_bench*.json")
         kind = f"{engine}-{'q4' if wp == 'int4' else 'q8'}" if engine == "native" else f"torch-{wp}"
         rows = [r for r in (ce[1].get("fidelity", []) if ce else []) if r.get("path") == kind]
@@ -399,22 +591,20 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
                   "cp_agreement_quantized"):
             missing[k] = "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4"
 
-    # real-time streams of the 0.6B shape on CPU (any weight path): the best run
+    # real-time streams of the 0.6B shape on CPU: the latest default-profile run
     key = "max_realtime_streams_cpu_0_6b"
-    best = None
-    for name, d in runs:
-        if "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) and not is_cuda(d):
-            ok = [s["concurrency"] for s in d["summaries"]
-                  if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
-            n = max(ok, default=0)
-            if best is None or n > best[2]:
-                best = (name, d, n)
-    if best:
-        name, d, n = best
-        put(key, n, name, d, f"highest concurrency with zero underruns in every stream, label "
-            f"{d.get('label')!r}; levels tested {sorted(s['concurrency'] for s in d['summaries'])}")
+    if cpu_default:
+        name, d = cpu_default[0]
+        ok = [s["concurrency"] for s in d["summaries"]
+              if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
+        levels = sorted(s["concurrency"] for s in d["summaries"])
+        n = max(ok, default=0)
+        note = " (every level tested passed: a lower bound)" if n == levels[-1] else ""
+        put(key, n, name, d, f"highest concurrency with zero underruns in every stream, latest "
+            f"0.6B CPU run of the default profile ({path_of(d)}), label {d.get('label')!r}; "
+            f"levels tested {levels}{note}", family=[n_ for n_, _ in cpu_default])
     else:
-        missing[key] = "no CPU stream_latency*.json for 0.6b"
+        missing[key] = "no CPU stream_latency*.json for 0.6b served with the default profile"
 
     so = newest("soak*.json")
     if so and "frames" in so[1]:
@@ -519,8 +709,55 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int) -> dic
             break
     else:
         missing[key] = "no CPU stream_latency*.json labelled tiny (or model 'default')"
-    return dict(**values, commands=commands, sources=sources, missing=missing,
-                missing_commands=missing_cmd)
+
+    # the capacity /health advertises, and whether the server kept it (capacity_bench.py)
+    caps = sorted(((n, d) for n, (_, d) in files.items() if fnmatch.fnmatch(n, "capacity_bench*.json")
+                   and isinstance(d, dict) and isinstance(d.get("summaries"), list)),
+                  key=lambda nd: -files[nd[0]][0])
+    cap06 = [(n, d) for n, d in caps
+             if "06b" in _norm(d.get("label")) + " " + _norm(d.get("model")) + " "
+             + _norm((d.get("health") or {}).get("model"))]
+    if cap06:
+        name, d = cap06[0]
+        h, sums = d.get("health") or {}, d["summaries"]
+        fam = [n for n, _ in cap06]
+        how = (f"latest 0.6B capacity_bench run, label {d.get('label')!r}, server "
+               f"{d.get('server_args')!r}, {d.get('frames')} frames a request, levels "
+               f"{[x['concurrency'] for x in sums]}, >= {d.get('samples')} admitted streams a "
+               "level (at most max_rounds rounds)")
+        put("capacity_streams_0_6b", h.get("capacity_streams"), name, d,
+            "/health capacity_streams at start; " + how, family=fam)
+        put("rtf_estimate_0_6b", h.get("rtf_estimate"), name, d,
+            "/health rtf_estimate (one stream) at start; " + how, family=fam)
+        put("capacity_realtime_0_6b", h.get("realtime"), name, d, "/health realtime at start; " + how,
+            family=fam)
+        put("capacity_bandwidth_gbs_0_6b", h.get("bandwidth_gbs"), name, d,
+            "/health bandwidth_gbs (the server's own measurement) at start; " + how, family=fam)
+        n_ok = sum(x["admitted"] for x in sums)
+        put("capacity_underruns_admitted", sum(x["underruns"] for x in sums), name, d,
+            f"underruns summed over the {n_ok} admitted streams of every level (player from the "
+            f"first byte, prebuffer {d.get('prebuffer_s')} s); " + how, family=fam)
+        within = [x for x in sums if x.get("within_capacity")]
+        put("capacity_underruns_within_capacity", sum(x["underruns"] for x in within), name, d,
+            f"underruns of the {sum(x['admitted'] for x in within)} admitted streams at levels <= "
+            "capacity; " + how, family=fam)
+        put("capacity_refused_within_capacity", sum(x["refused"] for x in within), name, d,
+            "requests refused at levels <= capacity (should be 0); " + how, family=fam)
+        put("capacity_refusals_without_retry_after",
+            sum(x["refused_without_retry_after"] for x in sums), name, d,
+            f"of {sum(x['refused'] for x in sums)} refusals (429 / 503); " + how, family=fam)
+        put("capacity_failures", len(d.get("failures") or []), name, d,
+            "5xx other than a 503 refusal, other statuses, transport errors, broken streams, "
+            "refusals without Retry-After (lines in the file's failures); " + how, family=fam)
+        put("capacity_bench_machine", machine_of(d), name, d, how, family=fam)
+    else:
+        why = ("no capacity_bench*.json (benchmarks/tts/capacity_bench.py)" if not caps else
+               f"capacity_bench runs found ({', '.join(n for n, _ in caps)}) but none whose label, "
+               "model or /health model names 0.6b")
+        for k in CAPACITY_KEYS:
+            missing[k] = why
+    return dict(**values, commands=commands, sources=sources, machines=machines, run_at=run_at,
+                stale=stale, missing=missing, missing_commands=missing_cmd)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -627,16 +864,18 @@ def main(argv: list[str] | None = None) -> int:
     res: Path = args.results
     if not res.is_dir():
         raise SystemExit(f"{res} is not a folder of results: run the benchmarks first")
-    files: dict[str, tuple[float, Any]] = {}
+    docs: dict[str, Any] = {}
     bad: list[str] = []
     for p in sorted(res.glob("*.json")):
         if p.name in OWN_OUTPUTS:
             continue
         try:
-            files[p.name] = (p.stat().st_mtime, json.loads(p.read_text()))
+            docs[p.name] = json.loads(p.read_text())
         except (OSError, ValueError) as e:
             bad.append(f"{p.name}: {e}")
-    summary = build_summary(files, args.decode_chunk)
+    times = run_times(res, docs)
+    files: dict[str, tuple[float, Any]] = {n: (times[n][0], d) for n, d in docs.items()}
+    summary = build_summary(files, args.decode_chunk, {n: t[1] for n, t in times.items()})
     summary = dict(generated_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    generated_by="python benchmarks/tts/summarize.py " + " ".join(
                        argv if argv is not None else sys.argv[1:]),
@@ -654,23 +893,31 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# omni-stream TTS benchmark results", "",
           f"Generated by `benchmarks/tts/summarize.py` at {summary['generated_at']} from the JSON "
           "files in this folder; do not edit, re-run the script.", "", "## Headline numbers", "",
-          table(["key", "value", "source", "how", "command"],
-                [[k, summary[k], (summary["sources"].get(k) or {}).get("file") or "missing",
-                  (summary["sources"].get(k) or {}).get("detail") or summary["missing"].get(k),
+          "Each number comes from the latest run that gives it (when a run happened: its "
+          "JSON's own timestamp, else the commit that last wrote the file, else the file's "
+          "mtime); **stale** marks one a newer run of the same benchmark does not give. The "
+          "machine is the label the benchmark recorded (benchmarks/tts/machine.py).", "",
+          table(["key", "value", "machine", "run", "source", "how", "command"],
+                [[k, summary[k], summary["machines"].get(k, "–"), summary["run_at"].get(k),
+                  (summary["sources"].get(k) or {}).get("file") or "missing",
+                  (f"**stale**: {summary['stale'][k]}. " if k in summary["stale"] else "")
+                  + str((summary["sources"].get(k) or {}).get("detail") or summary["missing"].get(k)),
                   f"`{summary['commands'][k]}`" if summary["commands"].get(k)
                   else summary["missing_commands"].get(k)]
                  for k in HEADLINE])]
     if plots:
         md += ["## Plots", ""] + [f"### {t}\n\n![{t}]({p})\n" for t, p in plots]
-    for name, (_, doc) in files.items():
-        md += [f"## {name}", "", render(name, doc)]
+    for name, (when, doc) in files.items():
+        md += [f"## {name}", "", f"Machine: {machine_of(doc)}; run {iso(when)} (from "
+               f"{times[name][1]}).", "", render(name, doc)]
     if bad:
         md += ["## Unreadable files", ""] + [f"- {b}" for b in bad] + [""]
     (res / "SUMMARY.md").write_text("\n".join(md))
     print(f"wrote {res / 'SUMMARY.md'} and {res / 'summary.json'}"
           + (f" and {len(plots)} plots in {res / 'plots'}" if plots else ""))
     for k in HEADLINE:
-        print(f"  {k:34} {cell(summary[k]):>10}  {summary['missing'].get(k, '')}")
+        print(f"  {k:38} {cell(summary[k]):>10}  {'STALE ' if k in summary['stale'] else ''}"
+              f"{summary['missing'].get(k, '') or summary['machines'].get(k, '')}")
     if plot_msg:
         print(plot_msg, file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 from omni_stream.transport import Ring, SegmentRegistry  # noqa: E402
 from omni_stream.scheduling.fingerprint import fingerprint_info  # noqa: E402
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 PAYLOADS = {
     "codes int64 16x2048": lambda: np.arange(16 * 2048, dtype=np.int64).reshape(16, 2048),
@@ -185,6 +186,7 @@ def main() -> None:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    machine = machine_info()
     rows = []
     t0 = time.monotonic()
     with SegmentRegistry() as registry:
@@ -197,6 +199,7 @@ def main() -> None:
                              **summarize(lat, put_us)})
                 print(_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
+    print_machine(machine)
     print(_table(rows))
     result = {
         "benchmark": "transport_hop_latency",
@@ -206,7 +209,7 @@ def main() -> None:
         "python": platform.python_version(), "numpy": np.__version__,
         "cpu": fingerprint_info()["cpu_model"], "cpu_count": os.cpu_count(),
         "load_avg_at_end": list(os.getloadavg()), "wall_s": round(time.monotonic() - t0, 1),
-        "rows": rows,
+        "machine": machine, "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

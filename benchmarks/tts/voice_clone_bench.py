@@ -32,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import TEXTS, pct, server  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
 
@@ -114,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/voice_clone_0.6b_cpu.json"))
     a = ap.parse_args(argv)
     log = Path(a.out).with_suffix(".server.log")
+    machine = machine_info()
     import tempfile
 
     with tempfile.TemporaryDirectory() as vdir, \
             server(a.model, ["--voice-dir", vdir, *a.serve_args.split()], log) as url:
         res = asyncio.run(run(url, a))
-    res.update(model=a.model, max_new_tokens=a.max_new_tokens, serve_args=a.serve_args)
+    res.update(model=a.model, max_new_tokens=a.max_new_tokens, serve_args=a.serve_args,
+               machine=machine)
+    print_machine(machine)
     r = res["register_s"]
     print(f"register a {a.ref_seconds:.0f} s voice (ICL, {res['ref_frames']} frames): first "
           f"{r['first']:.2f} s (loads the encoders), then median {r['warm_median']:.2f} s "

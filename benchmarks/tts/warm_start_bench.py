@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 from benchmarks.tts.stream_latency_bench import server  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
 
@@ -68,6 +69,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/warm_start_bench.json"))
     a = ap.parse_args()
     extra = shlex.split(a.server_args)
+    machine = machine_info()
     rows = []
     with tempfile.TemporaryDirectory() as td:
         cache, logs = Path(td) / "cache", Path(td)
@@ -79,12 +81,14 @@ def main() -> int:
             rows.append(start("eager", a.model, extra, cache, logs, a.voice))
             rows.append(start("cold", a.model, extra + ["--compile"], cache, logs, a.voice))
             rows.append(start("warm", a.model, extra + ["--compile"], cache, logs, a.voice))
+    print_machine(machine)
     print(f"{'start':6} | {'ready s':>8} {'1st TTFA ms':>11} {'compiled':>8} {'from cache':>10}")
     for r in rows:
         print(f"{r['start']:6} | {r['ready_s']:8.1f} {r['first_ttfa_ms']:11.0f} "
               f"{str(r['graphs_compiled']):>8} {str(r['graphs_from_cache']):>10}")
     by = {r["start"]: r for r in rows}
     doc = dict(model=a.model, server_args=a.server_args, compile=not a.no_compile, rows=rows,
+               machine=machine,
                cold_start_s=by["cold"]["ready_s"], warm_start_s=by["warm"]["ready_s"],
                eager_start_s=by["eager"]["ready_s"] if "eager" in by else None,
                command=" ".join(["python", "benchmarks/tts/warm_start_bench.py"]

@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 FRAME_S = 0.08
 
@@ -156,6 +159,7 @@ def main() -> int:
         for r in doc["fidelity"]:
             print(r)
         return 0
+    machine = machine_info()
     speed = []
     for th in (int(x) for x in a.threads.split(",")):
         for comp in ([False, True] if a.compile else [False]):
@@ -181,7 +185,9 @@ def main() -> int:
         r["est_rtf_serial"] = (r["frame_ms"] + codec_ms[r["threads"]]) / (FRAME_S * 1e3)
     fid = fidelity(a.model, fid_paths, a.fidelity_frames,
                    max(int(x) for x in a.threads.split(",")))
-    print(f"\n{'path':5} {'thr':>3} {'comp':>4} | {'MB/frame':>8} {'ms/frame':>8} {'x bf16':>6} "
+    print()
+    print_machine(machine)
+    print(f"{'path':5} {'thr':>3} {'comp':>4} | {'MB/frame':>8} {'ms/frame':>8} {'x bf16':>6} "
           f"{'est RTF':>7}")
     for r in speed:
         print(f"{r['path']:5} {r['threads']:>3} {'yes' if r['compiled'] else 'no':>4} | "
@@ -201,7 +207,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         model=a.model, frames=a.frames, fidelity_frames=a.fidelity_frames, speed=speed,
-        fidelity=fid, codec_ms_per_frame_chunk4=codec_ms,
+        fidelity=fid, codec_ms_per_frame_chunk4=codec_ms, machine=machine,
         command=" ".join(["python", "benchmarks/tts/weight_path_bench.py"] + sys.argv[1:])),
         indent=2))
     print(f"wrote {out}")
