@@ -223,7 +223,6 @@ class PipelineBackend:
             t0 = time.perf_counter()
             parts = await oc.measure_parts(self)
             self._apply_costs(parts)  # the probe streams run with the parts' chunk schedule
-            self.adm.set_capacity(self.s.max_streams)  # every probe width runs at once
             contention = await oc.probe_contention(self, parts, self.schedule.steady)
             costs = parts.with_contention(contention)
             log.info("machine costs measured in %.1f s%s", time.perf_counter() - t0,
@@ -384,9 +383,10 @@ class PipelineBackend:
                                param="max_new_tokens")
         sid = next(self._probe_ids if probe else self._ids)
         t_wait = time.perf_counter()
-        try:
-            await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
-                                   self.s.queue_timeout_s)
+        try:  # the start-up cost probes run before any client: no admission for them
+            if not probe:
+                await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
+                                       self.s.queue_timeout_s)
         except Rejected as r:
             raise BackendError.from_rejected(r) from None
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
@@ -486,7 +486,8 @@ class PipelineBackend:
                     pipe.send(CancelStream(stream_id=sid, reason="client gone"))
                 except (ChannelClosed, OSError):
                     pass
-            self.adm.release(sid)
+            if not probe:
+                self.adm.release(sid)
 
     # ------------------------------------------------------------------ from the supervisor
     def _deliver(self, st: _Stream, item) -> None:
