@@ -35,6 +35,24 @@ def test_frame_time_adds_shared_codec_and_takes_the_max_on_own_cores():
     assert c.frame_time_s(1, 8, contention=2.0) == pytest.approx(2 * 0.044)
 
 
+def test_probed_widths_are_the_truth_and_the_parts_extrapolate_past_them():
+    c = costs([40, 50, 60, 70], call_ms=16, per_frame_ms=2, shared=False)
+    probed = c.with_observed((0.045, 0.070))
+    assert probed.frame_time_s(1, 8) == pytest.approx(0.045)
+    assert probed.frame_time_s(2, 8) == pytest.approx(0.070)
+    # past the probes: the parts' shape, scaled to the last probed width
+    scale = 0.070 / c.parts_s(2, 8)
+    assert probed.frame_time_s(3, 8) == pytest.approx(c.parts_s(3, 8) * scale)
+    assert probed.frame_time_s(2, 8, contention=1.5) == pytest.approx(1.5 * 0.070)
+    # more streams never cost less per frame than the last probe saw
+    flat = costs([40, 10], shared=False).with_observed((0.050, 0.060))
+    assert flat.frame_time_s(3, 8) >= 0.060
+    assert capacity(probed, slots=4).streams == 1  # 70 ms > 68 ms at 2 streams
+    assert capacity(probed.with_observed((0.045, 0.065)), slots=4).streams == 2
+    with pytest.raises(ValueError):
+        c.with_observed((math.nan,))
+
+
 def test_costs_reject_nan_negative_and_empty_but_take_zero_and_inf():
     for bad in (dict(frame_s=()), dict(frame_s=(math.nan,)), dict(frame_s=(-1e-3,)),
                 dict(frame_s=(0.01,), codec_call_s=math.nan),

@@ -223,8 +223,8 @@ class PipelineBackend:
             t0 = time.perf_counter()
             parts = await oc.measure_parts(self)
             self._apply_costs(parts)  # the probe streams run with the parts' chunk schedule
-            contention = await oc.probe_contention(self, parts, self.schedule.steady)
-            costs = parts.with_contention(contention)
+            observed = await oc.probe_widths(self, parts, self.schedule.steady, self.margin)
+            costs = parts.with_observed(observed)
             log.info("machine costs measured in %.1f s%s", time.perf_counter() - t0,
                      " (emulated, not cached)" if costs.emulated else
                      f" (cached at {self._cost_cache.path})")
@@ -269,7 +269,7 @@ class PipelineBackend:
             if t.update(time.monotonic()):
                 self.adm.set_capacity(t.current.streams)
                 log.warning("capacity %d -> %d stream(s): wall time per frame is %.2fx what "
-                            "the parts cost alone (RTF estimate %.2f)", before.streams,
+                            "was measured at start-up (RTF estimate %.2f)", before.streams,
                             t.current.streams, t.contention, t.rtf_estimate())
 
     def begin_shutdown(self) -> None:

@@ -8,8 +8,9 @@ Measuring (``measure_costs``), seconds at the first start of a deployment:
    (``MeasureCosts``: the stages take turns, each idle while the other is timed);
 2. the memory read bandwidth, measured by the talker on its CPUs at every start (a cached
    measurement whose bandwidth differs by more than ``BANDWIDTH_DRIFT`` is measured again);
-3. probe streams run through the real pipeline (1 stream, then 2 where there are slots):
-   their wall time per frame over what the parts predict is the ``contention``.
+3. probe streams run through the real pipeline (1 stream, then 2, ... until a width misses
+   the real-time margin or the slots are full): their wall time per frame at each width is
+   what capacity is decided from.
 
 A cache written under ``OMNI_STREAM_EMULATE_COSTS`` would describe another machine: emulated
 costs are measured at every start and never cached.
@@ -25,7 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from omni_stream.contract import BackendError, SpeechJob
-from omni_stream.scheduling.capacity import MachineCosts
+from omni_stream.scheduling.capacity import FRAME_S, MachineCosts
 from omni_stream.transport import MeasureCosts
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BANDWIDTH_DRIFT = 0.25
+BANDWIDTH_DRIFT = 0.4  # another machine of the kind differs ~2x; one host drifts ~+-25 %
 PROBE_CHUNK = 8  # frames per chunk of a probe stream (at most the steady size)
-PROBE_CHUNKS = 4  # chunks per probe stream (3 arrival gaps)
+PROBE_CHUNKS = 5  # chunks per probe stream (4 arrival gaps)
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs all the way back "
               "home again before the sun goes down over the quiet hills.")
 EMULATE_ENV = "OMNI_STREAM_EMULATE_COSTS"
@@ -95,49 +96,48 @@ async def measure_parts(backend: "PipelineBackend", timeout_s: float = 300.0) ->
 
 
 def shared_cores(s) -> bool:
-    """Does the codec take time from the talker's cores (their costs add) or run beside it on
-    cores of its own (the slower of the two sets the pace)? It shares them when it lends them,
-    when the stages are not pinned apart, and on any CPU with no more cores than stage threads."""
+    """Does the codec take time from the talker's cores (their costs add), or decode on cores of
+    its own (the slower of the two sets the pace)? Its own when the stages are pinned apart; a
+    lent core runs the talker only while the codec is idle, so lending keeps them apart too."""
     if s.device != "cpu":
         return False
-    if s.lend_cores or not s.cpu_sets.get("codec") or not s.cpu_sets.get("talker"):
-        return True
-    return False
+    return not (s.cpu_sets.get("codec") and s.cpu_sets.get("talker"))
 
 
-async def probe_contention(backend: "PipelineBackend", parts: MachineCosts,
-                           steady: int) -> float:
-    """Step 3: probe streams through the pipeline; the largest ratio of the wall time per
-    frame they saw (median arrival gap per frame after their first chunk) to the parts'
-    model. 1.0 when no probe ran long enough (a model that ends at once)."""
-    ratios = []
+async def probe_widths(backend: "PipelineBackend", parts: MachineCosts, steady: int,
+                       margin: float) -> tuple[float, ...]:
+    """Step 3: probe streams through the pipeline, 1 at a time, then 2, ... up to the slots,
+    until a width misses the margin: the wall time per frame each width saw (median arrival
+    gap per frame after the first chunk). Stops early (fewer widths) when a probe ends too
+    soon to measure (a model that stops at once)."""
+    observed: list[float] = []
     chunk = max(1, min(PROBE_CHUNK, steady))
-    for width in range(1, min(2, backend.s.max_streams) + 1):
+    for width in range(1, backend.s.max_streams + 1):
         per = await _probe(backend, width, chunk)
         if per is None:
-            continue
-        model = parts.frame_time_s(width, chunk, contention=1.0)
-        if model > 0:
-            ratios.append(per / model)
-            log.info("probe, %d stream(s): %.1f ms per frame (parts alone: %.1f ms)",
-                     width, 1e3 * per, 1e3 * model)
-    return max(ratios) if ratios else 1.0
+            break
+        observed.append(max(per, observed[-1] if observed else 0.0))
+        log.info("probe, %d stream(s): %.1f ms per frame (the parts alone: %.1f ms)",
+                 width, 1e3 * per, 1e3 * parts.parts_s(width, chunk))
+        if per > margin * FRAME_S:
+            break
+    return tuple(observed)
 
 
-async def _probe(backend: "PipelineBackend", width: int, steady: int) -> float | None:
+async def _probe(backend: "PipelineBackend", width: int, chunk: int) -> float | None:
     voice = (backend.voices() or [None])[0]
 
     async def one(i: int) -> list[float]:
         job = SpeechJob(text=PROBE_TEXT, request_id=f"cost-probe-{width}-{i}", voice=voice,
-                        seed=i, max_frames=PROBE_CHUNKS * steady, greedy=True,
-                        initial_chunk_frames=steady)
+                        seed=i, max_frames=PROBE_CHUNKS * chunk, greedy=True,
+                        initial_chunk_frames=chunk)
         per = []
         last = None
-        async for chunk in backend.stream(job, probe=True):
+        async for c in backend.stream(job, probe=True):
             now = time.perf_counter()
-            if last is not None and chunk.frames:
-                per.append((now - last) / chunk.frames)
-            if chunk.frames:
+            if last is not None and c.frames:
+                per.append((now - last) / c.frames)
+            if c.frames:
                 last = now
         return per
 
@@ -149,4 +149,4 @@ async def _probe(backend: "PipelineBackend", width: int, steady: int) -> float |
     return statistics.median(samples) if len(samples) >= 2 else None
 
 
-__all__ = ["bandwidth_drifted", "emulated", "measure_bandwidth", "measure_parts", "probe_contention", "shared_cores"]
+__all__ = ["bandwidth_drifted", "emulated", "measure_bandwidth", "measure_parts", "probe_widths", "shared_cores"]

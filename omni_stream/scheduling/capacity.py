@@ -8,22 +8,25 @@ One timing model (``MachineCosts``) feeds every promise the server makes about s
 - the hold-back: how long a stream's first audio waits when even one stream is slower than
   real time (``holdback_s``).
 
-The costs are measured once per deployment fingerprint at start-up (``orchestrator.measure``):
+The costs are measured once per deployment fingerprint at start-up (``orchestrator.costs``):
 the talker + code-predictor frame step alone at each batch size, Code2Wav calls per chunk size
-and batch, the prefill, the memory read bandwidth; then short probe streams through the real
-pipeline give ``contention``, the ratio of the wall time per frame they saw to what the parts
-alone predict (cores the codec lends the talker, memory bandwidth both stages share). The
-running server keeps ``contention`` current from its own chunk arrivals
-(``CapacityTracker``): a noisy neighbour raises it, capacity follows within seconds, with
-hysteresis, and never by failing a stream that runs.
+and batch, the prefill, the memory read bandwidth; then probe streams through the real
+pipeline, 1 at a time, then 2, ... until a width misses the margin (or the slots are full),
+give ``observed_s``: the wall time per frame at each width, with everything the parts alone
+do not show (the cores the codec lends the talker, the memory bandwidth both stages share, the
+hops). The running server keeps ``contention``, the ratio of the per-frame times it sees to
+those, current from its own chunk arrivals (``CapacityTracker``): a noisy neighbour raises it,
+capacity follows within seconds, with hysteresis, and never by failing a stream that runs.
 
 Per-frame wall time with ``n`` streams (every stream gets one frame per step):
 
-    talker(n) = frame_s[n - 1]                                  (measured; extrapolated past it)
-    codec(n)  = (codec_call_s + codec_frame_s x steady x n) / steady   (one batched call per
-                                                                 ``steady`` frames of n streams)
-    T(n)      = contention x (talker(n) + codec(n))   where the codec shares the talker's cores
-              = contention x max(talker(n), codec(n)) where it has cores of its own
+    T(n) = contention x observed_s[n - 1]                     for the widths the probes ran
+         = contention x parts(n) x observed_s[-1] / parts(k)  past them (k probed widths)
+    parts(n) = talker(n) + codec(n)       where the codec shares the talker's cores (no pinning)
+             = max(talker(n), codec(n))   where it decodes on cores of its own (pinned; lent
+                                          cores run the talker only while the codec is idle)
+    talker(n) = frame_s[n - 1] (extrapolated past it); codec(n) = (codec_call_s + codec_frame_s
+                x steady x n) / steady (one batched call per ``steady`` frames of n streams)
 
 A stream is real time when T(n) <= margin x 80 ms. ``DEFAULT_MARGIN`` 0.85 keeps 15 % for the
 jitter of a shared host, the prefills the throttle lets in and the ramp's small first chunks
@@ -60,13 +63,15 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Measured costs of one deployment (seconds). ``frame_s[i]``: one talker + code-predictor
     frame step with ``i + 1`` streams; codec call = ``codec_call_s + codec_frame_s x rows``
     (rows = frames x streams in the call); prefill = ``prefill_fixed_s + prefill_token_s x
-    tokens``. ``shared_cores``: the codec runs on the talker's cores (lent cores, or no
-    pinning on a small CPU), so their times add. ``contention`` >= 0: measured wall time per
-    frame over the model of the parts (1 = the parts alone). ``bandwidth_gbs`` /
+    tokens``. ``shared_cores``: the codec runs on the talker's cores (the stages are not
+    pinned apart), so their times add. ``observed_s[i]``: the probes' wall time per frame with
+    ``i + 1`` streams (empty: the parts' model alone). ``contention`` >= 0: the running
+    server's per-frame times over those (1 = as measured at start-up). ``bandwidth_gbs`` /
     ``bandwidth_1t_gbs``: memory read bandwidth with the talker's threads / one thread (0:
     not measured)."""
 
     frame_s: tuple[float, ...]
+    observed_s: tuple[float, ...] = ()
     codec_call_s: float = 0.0
     codec_frame_s: float = 0.0
     prefill_fixed_s: float = 0.0
@@ -86,6 +91,8 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _check_cost(name, getattr(self, name))
         for i, v in enumerate(self.frame_s):
             _check_cost(f"frame_s[{i}]", v)
+        for i, v in enumerate(self.observed_s):
+            _check_cost(f"observed_s[{i}]", v)
 
     # ------------------------------------------------------------------ the model
     def talker_s(self, n: int) -> float:
@@ -105,14 +112,26 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"n and steady must be >= 1, got {n}, {steady}")
         return (self.codec_call_s + self.codec_frame_s * steady * n) / steady
 
+    def parts_s(self, n: int, steady: int) -> float:
+        """The parts' model of a frame with ``n`` streams (the module docstring's parts(n))."""
+        t, c = self.talker_s(n), self.codec_s(n, steady)
+        return t + c if self.shared_cores else max(t, c)
+
     def frame_time_s(self, n: int, steady: int, contention: float | None = None) -> float:
         """Wall time per frame with ``n`` streams (the module docstring's T(n))."""
         k = self.contention if contention is None else contention
-        t, c = self.talker_s(n), self.codec_s(n, steady)
-        parts = t + c if self.shared_cores else max(t, c)
-        if k == 0 or parts == 0:
+        obs = self.observed_s
+        if n <= len(obs):
+            base = obs[n - 1]
+        elif obs:
+            at, here = self.parts_s(len(obs), steady), self.parts_s(n, steady)
+            base = here if at == 0 else (math.inf if math.isinf(at) else here * obs[-1] / at)
+            base = max(base, obs[-1])  # more streams never take less time per frame
+        else:
+            base = self.parts_s(n, steady)
+        if k == 0 or base == 0:
             return 0.0
-        return k * parts
+        return k * base
 
     def rtf(self, n: int = 1, steady: int = 8, contention: float | None = None) -> float:
         """Seconds to make one second of audio per stream with ``n`` streams."""
@@ -121,9 +140,13 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def with_contention(self, contention: float) -> "MachineCosts":
         return msgspec.structs.replace(self, contention=contention)
 
+    def with_observed(self, observed_s: tuple[float, ...]) -> "MachineCosts":
+        return msgspec.structs.replace(self, observed_s=tuple(observed_s))
+
     def to_dict(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self)
         d["frame_s"] = list(self.frame_s)
+        d["observed_s"] = list(self.observed_s)
         return d
 
 
@@ -196,7 +219,7 @@ def chunk_policy(costs: MachineCosts, base: ChunkPolicy, *, margin: float = DEFA
     per_frame one stream's T(1) less that share. ``base``'s steady size is the floor
     (``calibrate_fit``'s ``min_steady``: the steady chunk is never lowered)."""
     per_frame = costs.frame_time_s(1, base.steady)
-    per_chunk = costs.contention * costs.codec_call_s
+    per_chunk = costs.codec_call_s
     fit = ChunkCostFit(per_chunk_s=per_chunk,
                        per_frame_s=max(0.0, per_frame - per_chunk / base.steady),
                        residual_s=jitter_s, samples=0)
@@ -216,7 +239,8 @@ class CapacityTracker:
     ``observe(n, seconds_per_frame, now)``: one stream's chunk arrived ``seconds_per_frame``
     per frame after its previous one while ``n`` streams ran. The contention estimate is the
     median, over the last ``window_s``, of observed / modelled T(n) (at least ``min_samples``
-    samples), never below ``floor`` (the start-up probe's, or 1). ``update(now)`` moves the
+    samples), never below ``floor`` (default 1: no faster than measured at start-up).
+    ``update(now)`` moves the
     capacity: down once the lower value has held for ``down_s``, up once T(capacity + 1)
     has stayed under (margin - RAISE_BAND) x 80 ms for ``up_s``. Admitted streams are never
     touched: a lower capacity only stops new admissions until enough streams have ended."""
@@ -228,7 +252,7 @@ class CapacityTracker:
         self.costs = costs
         self.slots, self.kv_streams, self.steady, self.margin = slots, kv_streams, steady, margin
         self.window_s, self.min_samples, self.down_s, self.up_s = window_s, min_samples, down_s, up_s
-        self.floor = min(1.0, costs.contention) if floor is None else floor
+        self.floor = 1.0 if floor is None else floor
         self.contention = costs.contention
         self._samples: deque[tuple[float, float]] = deque(maxlen=256)  # (time, ratio)
         self.current = capacity(costs, slots=slots, kv_streams=kv_streams, steady=steady,
@@ -365,7 +389,10 @@ def format_costs(costs: MachineCosts, cap: Capacity, *, steady: int,
         f"Code2Wav call: {ms(costs.codec_call_s)} ms + {ms(costs.codec_frame_s)} ms per frame row"
         f" (chunk {steady}, 1 stream: {ms(costs.codec_call_s + steady * costs.codec_frame_s)} ms)",
         f"prefill: {ms(costs.prefill_fixed_s)} ms + {1e3 * costs.prefill_token_s:.2f} ms per token",
-        f"contention (pipeline wall time over the parts): {costs.contention:.2f}"
+        "probe streams, wall time per frame, ms: " + (", ".join(
+            f"{i + 1} stream{'s' if i else ''} {ms(v)}" for i, v in enumerate(costs.observed_s))
+            or "none ran"),
+        f"contention (while serving, over the probes): {costs.contention:.2f}"
         f" ({'codec shares the talker cores' if costs.shared_cores else 'codec on its own cores'})",
         "wall time per frame, ms: " + ", ".join(
             f"{n} {ms(costs.frame_time_s(n, steady))}" for n in range(1, len(costs.frame_s) + 1)),
