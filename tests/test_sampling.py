@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -335,7 +336,7 @@ CASES = {
 def test_sampled_frequencies_match_the_target_distribution(case):
     v, t, k, p, scale, penalty, suppress_ids = CASES[case]
     n = 1_000_000
-    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()) % 1000)  # hash() varies per run
     logits = torch.randn(v, generator=gen) * scale
     seen = torch.zeros(v, dtype=torch.bool)
     seen[torch.argsort(logits, descending=True)[:30:3]] = True  # penalise some top tokens
@@ -354,7 +355,9 @@ def test_sampled_frequencies_match_the_target_distribution(case):
                       suppress.numpy() if suppress_ids else None)
     assert counts[probs == 0].sum() == 0
     stat, dof = _chi_square(counts, probs, n)
-    assert dof >= 1
+    if dof == 0:  # the filters leave one token (or one merged bin): every draw is in it
+        assert counts[probs > 0].sum() == n
+        return
     assert _chi2_sf(stat, dof) > 1e-4, (case, stat, dof)
 
 
