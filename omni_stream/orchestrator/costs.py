@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 BANDWIDTH_DRIFT = 0.4  # another machine of the kind differs ~2x; one host drifts ~+-25 %
 PROBE_CHUNK = 8  # frames per chunk of a probe stream (at most the steady size)
 PROBE_CHUNKS = 5  # chunks per probe stream (4 arrival gaps)
+# probing stops once the parts' model, scaled to the widths probed so far, keeps every slot
+# within this share of the margin (a fast machine needs no probe of every width)
+EARLY_STOP = 0.5
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs all the way back "
               "home again before the sun goes down over the quiet hills.")
 EMULATE_ENV = "OMNI_STREAM_EMULATE_COSTS"
@@ -109,7 +112,8 @@ async def probe_widths(backend: "PipelineBackend", parts: MachineCosts, steady: 
     """Step 3: probe streams through the pipeline, 1 at a time, then 2, ... up to the slots,
     until a width misses the margin: the wall time per frame each width saw (median arrival
     gap per frame after the first chunk). Stops early (fewer widths) when a probe ends too
-    soon to measure (a model that stops at once)."""
+    soon to measure (a model that stops at once), or when the widths probed so far leave the
+    rest far inside the margin (``EARLY_STOP``)."""
     observed: list[float] = []
     chunk = max(1, min(PROBE_CHUNK, steady))
     for width in range(1, backend.s.max_streams + 1):
@@ -120,6 +124,10 @@ async def probe_widths(backend: "PipelineBackend", parts: MachineCosts, steady: 
         log.info("probe, %d stream(s): %.1f ms per frame (the parts alone: %.1f ms)",
                  width, 1e3 * per, 1e3 * parts.parts_s(width, chunk))
         if per > margin * FRAME_S:
+            break
+        # far within the margin even at full slots by the parts' model: no need to probe on
+        scaled = parts.with_observed(tuple(observed)).frame_time_s(backend.s.max_streams, chunk)
+        if scaled <= EARLY_STOP * margin * FRAME_S:
             break
     return tuple(observed)
 
