@@ -458,6 +458,16 @@ def weight_path_of(doc: dict) -> str | None:
     return None
 
 
+def _max_realtime(d: dict) -> tuple[int, list[int], str]:
+    """A stream_latency run's highest concurrency with zero underruns in every stream, the
+    levels it tested, and a note when every level passed (the figure is then a lower bound)."""
+    ok = [s["concurrency"] for s in d["summaries"]
+          if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
+    levels = sorted(s["concurrency"] for s in d["summaries"])
+    n = max(ok, default=0)
+    return n, levels, " (every level tested passed: a lower bound)" if n == levels[-1] else ""
+
+
 def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
                   time_source: dict[str, str] | None = None) -> dict:
     """``files``: name -> (when the run happened, document); ``time_source``: name -> how that
@@ -595,11 +605,7 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
     key = "max_realtime_streams_cpu_0_6b"
     if cpu_default:
         name, d = cpu_default[0]
-        ok = [s["concurrency"] for s in d["summaries"]
-              if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
-        levels = sorted(s["concurrency"] for s in d["summaries"])
-        n = max(ok, default=0)
-        note = " (every level tested passed: a lower bound)" if n == levels[-1] else ""
+        n, levels, note = _max_realtime(d)
         put(key, n, name, d, f"highest concurrency with zero underruns in every stream, latest "
             f"0.6B CPU run of the default profile ({path_of(d)}), label {d.get('label')!r}; "
             f"levels tested {levels}{note}", family=[n_ for n_, _ in cpu_default])
@@ -699,11 +705,7 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
     for name, d in runs:
         tagged = "tiny" in f"{d.get('label')} {d.get('model')}".lower() or d.get("model") == "default"
         if tagged and not is_cuda(d):
-            ok = [s["concurrency"] for s in d["summaries"]
-                  if s.get("underruns") == 0 and s.get("realtime_streams") == s.get("streams")]
-            levels = sorted(s["concurrency"] for s in d["summaries"])
-            best = max(ok, default=0)
-            note = " (every level tested passed: a lower bound)" if best == levels[-1] else ""
+            best, levels, note = _max_realtime(d)
             put(key, best, name, d, f"highest concurrency with zero underruns in every stream; "
                 f"levels tested {levels}{note}")
             break

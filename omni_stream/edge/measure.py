@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from omni_stream.scheduling.throttle import PrefillCostModel
+
 log = logging.getLogger(__name__)
 
 GB = 1e9
@@ -39,27 +41,6 @@ def memory_bandwidth_gbs(threads: int, mib: int = 256, repeats: int = 5) -> floa
         return x.numel() * 4 / statistics.median(times) / GB
     finally:
         torch.set_num_threads(before)
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of (x, y), both clamped to >= 0 (a negative intercept
-    refits through the origin, a negative slope as a constant)."""
-    if not points:
-        raise ValueError("fit_line needs at least one point")
-    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return (0.0, my / mx) if mx > 0 else (my, 0.0)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    if b < 0:
-        return max(0.0, my), 0.0
-    if a < 0:
-        sx2 = sum(x * x for x in xs)
-        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sx2
-    return a, b
 
 
 def measure_frame_steps(engine, step: Callable[[int], object], max_batch: int,
@@ -117,8 +98,9 @@ def measure_codec_calls(decode: Callable[[list[int], torch.Tensor], object], cod
         table.append((n, b, statistics.median(times)))
     for slot in range(used):
         reset(slot)
-    call_s, frame_s = fit_line([(n * b, s) for n, b, s in table])
-    return call_s, frame_s, table
+    # the same non-negative line fit as the prefill's (fixed + per unit), rows as the unit
+    line = PrefillCostModel.fit([(n * b, s) for n, b, s in table])
+    return line.fixed_s, line.per_token_s, table
 
 
-__all__ = ["fit_line", "measure_codec_calls", "measure_frame_steps", "memory_bandwidth_gbs"]
+__all__ = ["measure_codec_calls", "measure_frame_steps", "memory_bandwidth_gbs"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import time
@@ -498,8 +499,6 @@ class PipelineBackend:
         if m.stream_id == MEASURE_STREAM_ID:
             fut = self._measuring[1] if self._measuring else None
             if fut is not None:
-                import json
-
                 data = json.loads(bytes(m.payload).decode()) if m.payload is not None else {}
                 fut.get_loop().call_soon_threadsafe(_resolve, fut, data)
             return

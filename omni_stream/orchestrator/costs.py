@@ -1,7 +1,8 @@
 """The deployment's measured costs: loaded from the cache or measured at start-up, then kept
 current while serving (``scheduling.capacity`` holds the model and the policies).
 
-Measuring (``measure_costs``), seconds at the first start of a deployment:
+Measuring (``measure_bandwidth`` at every start; ``measure_parts`` and ``probe_widths`` at the
+first start of a deployment), seconds in all:
 
 1. the talker stage times its frame step alone at each batch size up to the slot count and
    the prefill, then has the codec stage time Code2Wav calls per chunk size and batch

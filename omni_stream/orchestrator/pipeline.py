@@ -91,7 +91,6 @@ class Pipeline:
         msg = self.ctrl.recv(timeout=timeout)
         if not isinstance(msg, StatsReply):
             raise RuntimeError(f"talker stage did not start (got {msg!r}); see its log")
-        self.ready_stats = dict(msg.stats)  # with the memory bandwidth it measured
         while time.monotonic() < deadline:
             m = self.audio.get(timeout=0.5)
             if m is not None and m.stream_id == READY_STREAM_ID:
@@ -135,7 +134,6 @@ class Supervisor:
         self.on_audio = on_audio
         self.on_lost = on_lost
         self.on_reply = on_reply  # stage answers to requests (reader thread)
-        self.ready_stats: dict = {}  # the talker's ready message of the running incarnation
         self.pipe: Pipeline | None = None  # None while (re)starting or after a give-up
         self.restarts = 0
         self._restart_times: list[float] = []
@@ -152,7 +150,6 @@ class Supervisor:
             pipe.close()
             raise
         self.pipe = pipe
-        self.ready_stats = getattr(pipe, "ready_stats", {})
         self._stop.clear()
         self._reader = threading.Thread(target=self._read_loop, args=(pipe,),
                                         name="omni-audio-reader", daemon=True)

@@ -121,17 +121,16 @@ class TalkerStage:
         """Time the frame step alone at each batch size up to the slot count, and the prefill
         (``edge.measure``), then ask the codec stage to time its calls. Run only while no
         stream is in a slot (the backend measures before it admits any)."""
-        from omni_stream.edge.measure import fit_line, measure_frame_steps
+        from omni_stream.edge.measure import measure_frame_steps
 
         assert not any(self.sched.slots), "measure() needs every slot free"
         frame_s, prefills = measure_frame_steps(self.engine, self._frame,
                                                 self.engine.shape.max_slots)
-        fixed, per_token = fit_line(prefills)
-        self.sched.cost = PrefillCostModel(per_token_s=per_token, fixed_s=fixed)
+        self.sched.cost = cost = PrefillCostModel.fit(prefills)
         self.sched.frame_s = frame_s[0]
         self._event(MEASURE_STREAM_ID, 0)
         out = {f"frame_s_{i + 1}": v for i, v in enumerate(frame_s)}
-        return dict(out, prefill_fixed_s=fixed, prefill_token_s=per_token,
+        return dict(out, prefill_fixed_s=cost.fixed_s, prefill_token_s=cost.per_token_s,
                     emulated=int(self.emulation.active))
 
     def _frame(self, p: int, streams: int | None = None):
