@@ -34,8 +34,8 @@ def pool():
     return native.Pool(2)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "f32"])
-@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "f32"])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
 def test_products_match_the_weights_they_hold(pool, kind, m):
     gen = torch.Generator().manual_seed(m)
     n, k = 48, 192
@@ -52,13 +52,115 @@ def test_products_match_the_weights_they_hold(pool, kind, m):
         assert torch.equal(pk.dequantized(), w)
     else:  # only the input's per-row int8 rounding (~1/127 of its largest value) differs
         assert err < 3e-2, err
-        assert float((pk.dequantized() - w).abs().max()) <= (0.5 if kind == "q4" else 0.05) * float(w.abs().max())
+        bound = {"q4": 0.5, "q5": 0.25, "q6": 0.12, "q8": 0.05}[kind]
+        assert float((pk.dequantized() - w).abs().max()) <= bound * float(w.abs().max())
 
 
-def test_shapes_the_layouts_cannot_hold_fall_back_to_exact():
+def test_shapes_the_layouts_cannot_hold_fall_back_to_exact(pool):
     assert native.kind_for(40, 64, "q4") == "f32"  # rows not a multiple of 16
     assert native.kind_for(32, 96, "q4") == "f32"  # inputs not a multiple of the group
+    assert native.kind_for(32, 96, "q6") == "f32" and native.kind_for(17, 64, "q5") == "f32"
     assert native.kind_for(32, 96, "q8") == "q8" and native.kind_for(32, 100, "q8") == "f32"
+    with pytest.raises(ValueError, match="unknown weight kind 'q3'"):
+        native.kind_for(32, 64, "q3")
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((1, 64), (17, 65), (33, 129)):  # one row, 2^j + 1 shapes: exact fp32 products
+        w = torch.randn(n, k, generator=gen)
+        for kind in ("q4", "q5", "q6", "q8"):
+            pk = native.pack_weight(w, None, kind)
+            assert pk.struct.kind == native.KINDS["f32"]
+            x = torch.randn(2, k, generator=gen)
+            y = torch.empty(2, n)
+            pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), 2, y.data_ptr())
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "f32"])
+def test_packing_edges(pool, kind):
+    """All-zero groups come back exactly zero, one huge weight costs only its own group (q4,
+    q6) or row (q8), and a weight with a NaN or an infinity is refused, naming the damage."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 32, 256
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[3, 64:128] = 0.0  # one all-zero group
+    w[5] = 0.0  # one all-zero row
+    w[7, 200] = 1e4  # one huge weight
+    pk = native.pack_weight(w, None, kind)
+    d = pk.dequantized()
+    assert torch.isfinite(d).all()
+    assert torch.equal(d[3, 64:128], torch.zeros(64)) and torch.equal(d[5], torch.zeros(k))
+    assert abs(float(d[7, 200]) - 1e4) <= 1e4 * 2e-3
+    others = torch.ones(n, dtype=torch.bool)
+    others[7] = False
+    err = float((d[others] - w[others]).abs().max())
+    assert err <= {"q4": 0.2, "q5": 0.1, "q6": 0.05, "q8": 0.01, "f32": 0.0}[kind] * float(w[others].abs().max())
+    x = torch.randn(3, k, generator=gen)
+    y = torch.empty(3, n)
+    pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), 3, y.data_ptr())
+    assert torch.isfinite(y).all() and torch.equal(y[:, 5], torch.zeros(3))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        wb = w.clone()
+        wb[1, 2] = bad
+        with pytest.raises(ValueError, match="1 NaN/inf"):
+            native.pack_weight(wb, None, kind)
+    with pytest.raises(ValueError, match="non-empty"):
+        native.pack_weight(torch.empty(0, 64), None, kind)
+
+
+def test_clipped_ranges_lower_the_error_of_heavy_tails():
+    """A group with one far weight gives up that weight's exactness for finer steps over the
+    rest: over Student-t weights the chosen 4-bit ranges beat the full range; the full range is
+    one of the candidates, so no group ever loses (at 6 bits the steps are fine enough that the
+    full range mostly wins)."""
+    gen = torch.Generator().manual_seed(2)
+    gauss = torch.randn(64, 1024, generator=gen)
+    heavy = torch.distributions.StudentT(3.0).sample((64, 1024))
+    for levels in (15, 31, 63):
+        for w, gain in ((heavy, 1.03 if levels == 15 else 1.0), (gauss, 1.0)):
+            errs = []
+            for clips in (native.CLIPS, (1.0,)):
+                q, s, m = native.affine_codes(w, levels, clips=clips)
+                d = q.view(64, 16, 64).float() * s[..., None] + m[..., None]
+                errs.append(float(((d.view(64, 1024) - w) ** 2).sum()))
+            assert errs[0] * gain <= errs[1], (levels, errs)
+
+
+def test_smoothing_moves_norm_outliers_into_the_weights():
+    """Gains 30-100x on a few channels with their columns divided to match: the factors find
+    exactly those channels (s = alpha there, ~1 elsewhere), the fold keeps the function, and
+    a q8 product of the folded pair is as close as on the plain weights; zero gains and
+    all-zero columns keep s = 1."""
+    gen = torch.Generator().manual_seed(4)
+    k = 256
+    w = torch.randn(96, k, generator=gen) * 0.02
+    x = torch.randn(8, k, generator=gen)
+    alpha = torch.ones(k)
+    chans = torch.tensor([3, 100, 201])
+    alpha[chans] = torch.tensor([30.0, 64.0, 100.0])
+    gain, wo = alpha.clone(), w / alpha  # the outlier pair: same product as (ones, w)
+    s = native.smoothing(gain, (wo[:48], wo[48:]))
+    ratio = s / native.smoothing(torch.ones(k), (w[:48], w[48:]))
+    torch.testing.assert_close(ratio[chans], alpha[chans], rtol=1e-2, atol=0)  # (the median moves a little)
+    torch.testing.assert_close((x * gain / s) @ (wo * s).T, (x * gain) @ wo.T, rtol=1e-5, atol=1e-6)
+    ref = x @ w.T
+
+    def q8_err(g, ww):
+        xa = x * g
+        sc = xa.abs().amax(1, keepdim=True) / 127  # the runtime's per-row int8 activations
+        xq = torch.round(xa / sc) * sc
+        y = xq @ native.pack_weight(ww, None, "q8").dequantized().T
+        return float((y - ref).norm() / ref.norm())
+
+    plain, raw = q8_err(torch.ones(k), w), q8_err(gain, wo)
+    smoothed = q8_err(gain / s, wo * s)
+    assert raw > 3 * plain and smoothed < 1.5 * plain, (plain, raw, smoothed)
+    g0 = gain.clone()
+    g0[7] = 0.0
+    wz = wo.clone()
+    wz[:, 9] = 0.0
+    s0 = native.smoothing(g0, (wz,))
+    assert float(s0[7]) == 1.0 and float(s0[9]) == 1.0 and torch.isfinite(s0).all()
+    assert torch.equal(native.smoothing(torch.zeros(k), (w,)), torch.ones(k))
 
 
 def _engine(model, kind: str | None) -> FrameEngine:
@@ -197,15 +299,16 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
     assert scalar.oc_has_vnni() == 0
     fast, slow = native.Pool(1), native.Pool(1, lib=scalar)
     gen = torch.Generator().manual_seed(9)
-    for kind in ("q4", "q8"):
-        pk = native.pack_weight(torch.randn(32, 128, generator=gen), None, kind)
-        x = torch.randn(3, 128, generator=gen)
-        ys = []
-        for p in (fast, slow):
-            y = torch.empty(3, 32)
-            p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), 3, y.data_ptr())
-            ys.append(y)
-        torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
+    for kind in ("q4", "q5", "q6", "q8"):
+        for n, k, m in ((16, 64, 1), (32, 128, 3), (48, 192, 9), (16, 320, 17)):
+            pk = native.pack_weight(torch.randn(n, k, generator=gen), None, kind)
+            x = torch.randn(m, k, generator=gen)
+            ys = []
+            for p in (fast, slow):
+                y = torch.empty(m, n)
+                p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
+                ys.append(y)
+            torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
 
 
 def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):

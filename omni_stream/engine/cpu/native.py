@@ -8,9 +8,11 @@ another, prefill pieces in a third. It reads and writes the engine's own tensors
 seeds, counters, sampling settings) through their data pointers, so the engine's bookkeeping,
 the stages and the tests see one engine whichever runtime computes it.
 
-Weight paths (``kind``): ``q4`` unsigned nibbles with a per-(row, group of 64 inputs) fp16
-scale and offset; ``q8`` signed bytes with a per-row scale; ``f32`` the exact weights. Each
-product quantizes its input rows to int8 (per row); see the C file for the layouts.
+Weight kinds (``kind``), one per product: ``q4`` / ``q5`` / ``q6`` unsigned 4- to 6-bit codes with a
+per-(row, group of 64 inputs) fp16 scale and offset, the range of each group clipped where that
+lowers its squared error; ``q8`` signed bytes with a per-row scale; ``f32`` the exact weights.
+Each product quantizes its input rows to int8 (per row); see the C file for the layouts. A
+weight that is not finite is refused at packing (it would poison every row that reads it).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from omni_stream.engine.cpu.build import ensure_library
 
 log = logging.getLogger(__name__)
 
-KINDS = {"q4": 0, "q8": 1, "f32": 2}
-Q4_GROUP = 64
+KINDS = {"q4": 0, "q8": 1, "f32": 2, "q6": 3, "q5": 4}
+Q4_GROUP = 64  # inputs per scale of q4 and q6
+LEVELS = {"q4": 15, "q5": 31, "q6": 63}  # largest code of the affine kinds
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # range fractions tried per group (least error wins)
 
 
 # ------------------------------------------------------------------------------ C mirrors
@@ -244,7 +248,7 @@ class PackedLinear:
         if meta["kind"] == KINDS["f32"]:
             (w,) = ts
             s.wf = w.data_ptr()
-        elif meta["kind"] == KINDS["q4"]:
+        elif meta["kind"] in (KINDS[k] for k in LEVELS):
             w, sm = ts
             s.w, s.scales = w.data_ptr(), sm.data_ptr()
         else:
@@ -260,17 +264,61 @@ class PackedLinear:
 
 
 def kind_for(n: int, k: int, kind: str) -> str:
-    """The layouts need n % 16 == 0 and k % 64 == 0 (q4) or k % 16 == 0 (q8); else exact fp32."""
-    if kind == "q4" and (n % 16 or k % Q4_GROUP):
+    """The layouts need n % 16 == 0 and k % 64 == 0 (q4, q5, q6) or k % 16 == 0 (q8); else exact fp32."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind in LEVELS and (n % 16 or k % Q4_GROUP):
         return "f32"
     if kind == "q8" and (n % 16 or k % 16):
         return "f32"
     return kind
 
 
+def affine_codes(w: torch.Tensor, levels: int, group: int = Q4_GROUP,
+                 clips: tuple[float, ...] = CLIPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes q in [0, levels] and fp16-exact scale s and offset m per (row, group) of w [n, k],
+    w ~ q s + m. Each group's [min, max] range is shrunk toward zero by each fraction of
+    ``clips`` in turn and keeps the one of least squared error (a heavy-tailed group gives up
+    its one far weight for finer steps over the rest; a Gaussian one mostly keeps the full
+    range). An all-zero group gets scale 1e-8 and codes that reproduce zeros exactly."""
+    n, k = w.shape
+    wg = w.view(n, k // group, group)
+    lo0, hi0 = wg.amin(-1), wg.amax(-1)
+    best = None
+    for c in clips:
+        lo = (lo0 * c).half().float()
+        scale = ((hi0 - lo0) * c / levels).clamp(min=1e-8).half().float()
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, levels)
+        err = ((q * scale[..., None] + lo[..., None] - wg) ** 2).sum(-1)
+        if best is None:
+            best = [err, q, scale, lo]
+        else:
+            better = err < best[0]
+            best[0] = torch.where(better, err, best[0])
+            best[1] = torch.where(better[..., None], q, best[1])
+            best[2] = torch.where(better, scale, best[2])
+            best[3] = torch.where(better, lo, best[3])
+    return best[1].to(torch.uint8).view(n, k), best[2], best[3]
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """The low nibbles of codes [n, k] in the q4 layout [n / 16, k / 8, 64]."""
+    n, k = q.shape
+    qb = (q & 15).view(n // 16, 16, k // 8, 2, 4)  # [block, row, k-quad pair, quad of the pair, i]
+    packed = (qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [b, pair, row, i]
+    return packed.reshape(n // 16, k // 8, 64)
+
+
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> PackedLinear:
-    """Pack a [n, k] weight (any float dtype) for the runtime."""
+    """Pack a [n, k] weight (any float dtype) for the runtime; ValueError for a weight with a
+    NaN or an infinity."""
     w = weight.detach().float().contiguous()
+    if w.dim() != 2 or w.numel() == 0:
+        raise ValueError(f"a product packs a non-empty [n, k] weight, got {tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"cannot pack a [{w.shape[0]}, {w.shape[1]}] weight with {bad} NaN/inf "
+                         "values: the checkpoint is damaged")
     n, k = w.shape
     kind = kind_for(n, k, kind)
     b = None if bias is None else bias.detach().float().contiguous()
@@ -280,17 +328,25 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> P
         s.wf = w.data_ptr()
         keep.append(w)
         deq = w
-    elif kind == "q4":
+    elif kind in LEVELS:
         g = Q4_GROUP
-        wg = w.view(n, k // g, g)
-        lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8).half().float()  # what the kernel will read
-        lo = lo.half().float()
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-        deq = (q.float() * scale[..., None] + lo[..., None]).view(n, k)
-        qb = q.view(n // 16, 16, k // 8, 2, 4)  # [block, row, k-quad pair, quad of the pair, i]
-        packed = (qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [b, pair, row, i]
-        packed = packed.reshape(n // 16, k // 8, 64).contiguous()
+        q, scale, lo = affine_codes(w, LEVELS[kind], g)  # scale, lo: what the kernel will read
+        deq = (q.view(n, k // g, g).float() * scale[..., None] + lo[..., None]).view(n, k)
+        packed = _nibbles(q)
+        if kind == "q6":  # per 16 inputs of a group: 2 nibble vectors, 1 of the top two bits
+            top = (q >> 4).view(n // 16, 16, k // g, 4, 4, 4)  # [b, row, group, t, u, i]
+            crumbs = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 2) | (top[:, :, :, :, 2] << 4) \
+                | (top[:, :, :, :, 3] << 6)
+            crumbs = crumbs.permute(0, 2, 3, 1, 4).reshape(n // 16, k // g, 4, 64)
+            packed = torch.cat((packed.view(n // 16, k // g, 4, 2, 64), crumbs[:, :, :, None]), dim=3)
+        elif kind == "q5":  # per 16 inputs of a group: 2 nibble vectors, 32 bytes of top bits
+            top = (q >> 4).view(n // 16, 16, k // g, 4, 4, 4)  # [b, row, group, t, u, i]
+            lane = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 1) | (top[:, :, :, :, 2] << 2) \
+                | (top[:, :, :, :, 3] << 3)
+            lane = lane.permute(0, 2, 3, 1, 4).reshape(n // 16, k // g, 4, 64)  # 4 bits per lane
+            bits = lane[..., :32] | (lane[..., 32:] << 4)
+            packed = torch.cat((packed.view(n // 16, k // g, 4, 128), bits), dim=3)
+        packed = packed.contiguous()
         sm = torch.stack((scale, lo), dim=-1).view(n // 16, 16, k // g, 2).permute(0, 2, 3, 1)
         sm = sm.contiguous().half()
         s.group, s.w, s.scales = g, packed.data_ptr(), sm.data_ptr()
@@ -410,11 +466,35 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
+def _scaled(w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    return w if s is None else w.float() * s
+
+
+def smoothing(gain: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per-input-channel factors s [k] that move an RMSNorm's outlier channels into the weights
+    reading it: the norm's gain is divided by s and the weights' columns multiplied by s, the
+    same function in exact arithmetic. A channel whose gain is 30x the rest (massive
+    activations, as trained LLMs have) makes every int8 activation step 30x coarser and, with
+    its column scaled down to match, rounds to nothing in a per-group weight scale; after the
+    move both sides of the product are ordinary (SmoothQuant's migration with strength 1/2,
+    the activation's range read off the gain: s = sqrt(|gain| / max |column|), normalized to a
+    median of 1). Channels with a zero gain or an all-zero column keep s = 1."""
+    col = torch.stack([w.detach().float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    g = gain.detach().float().abs()
+    s = torch.sqrt(g / col)
+    ok = torch.isfinite(s) & (s > 0)
+    if not bool(ok.any()):
+        return torch.ones_like(g)
+    s = s / s[ok].median()
+    return torch.where(ok, s, torch.ones_like(s)).clamp(1 / 1024, 1024)
+
+
 class NativeStack:
-    """A decoder stack (``DecoderStack``) packed for the runtime, over the engine's KV cache."""
+    """A decoder stack (``DecoderStack``) packed for the runtime, over the engine's KV cache.
+    Low-bit kinds take each layer's norm outliers into their weights (``smoothing``)."""
 
     def __init__(self, stack: nn.Module, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 kind: str, packs: PackCache | None = None) -> None:
+                 kind: str, packs: PackCache | None = None, smooth: bool = True) -> None:
         cfg = stack.cfg
         if cfg.head_dim % 16:
             raise ValueError(f"the CPU runtime needs head_dim % 16 == 0, got {cfg.head_dim}")
@@ -425,15 +505,19 @@ class NativeStack:
         for i, layer in enumerate(stack.layers):
             a, m = layer.self_attn, layer.mlp
             qkv_w = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-            qkv = packs.pack(lambda: torch.cat(qkv_w), None, kind,
+            gu_w = (m.gate_proj.weight, m.up_proj.weight)
+            ln1, ln2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
+            s1 = s2 = None
+            if smooth and kind != "f32":  # cheap: gains and column maxima only
+                s1, s2 = smoothing(ln1, qkv_w), smoothing(ln2, gu_w)
+                ln1, ln2 = ln1 / s1, ln2 / s2
+            qkv = packs.pack(lambda: _scaled(torch.cat(qkv_w), s1), None, kind,
                              (sum(w.shape[0] for w in qkv_w), qkv_w[0].shape[1]))
             o = pack_linear(a.o_proj, kind, packs)
-            gu_w = (m.gate_proj.weight, m.up_proj.weight)
-            gu = packs.pack(lambda: torch.cat(gu_w), None, kind,
+            gu = packs.pack(lambda: _scaled(torch.cat(gu_w), s2), None, kind,
                             (sum(w.shape[0] for w in gu_w), gu_w[0].shape[1]))
             down = pack_linear(m.down_proj, kind, packs)
-            norms = [_f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
-                     _f32(a.q_norm.weight), _f32(a.k_norm.weight)]
+            norms = [ln1, ln2, _f32(a.q_norm.weight), _f32(a.k_norm.weight)]
             self.layers.append((qkv, o, gu, down))
             self.keep += norms
             arr[i] = OcLayer(qkv=qkv.struct, o=o.struct, gate_up=gu.struct, down=down.struct,
@@ -458,13 +542,19 @@ class NativeStack:
 
 class NativeRunner:
     """The frame engine's talker step, talker head, prefill and code-predictor frame on the CPU
-    runtime (``FrameEngine.use_native``). ``kinds``: weight path of the talker and of the code
-    predictor ("q4", "q8" or "f32"); ``threads``: the runtime's threads (the caller included);
+    runtime (``FrameEngine.use_native``). ``talker_kind`` / ``cp_kind``: weight kind of the
+    talker's and the code predictor's layers (``KINDS``); ``head_kinds``: of the talker's codec
+    head and of the code predictor's heads and projection (None: as the layers); ``smooth``:
+    fold norm outliers into low-bit weights (``smoothing``); ``threads``: the runtime's threads (the caller included);
     ``lent_cpus`` / ``lease``: more threads on another process's cores (``Pool``)."""
 
     def __init__(self, engine, talker_kind: str = "q4", cp_kind: str = "q4",
                  threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
-                 lease: CoreLease | None = None, pack_cache: Path | None = None) -> None:
+                 lease: CoreLease | None = None, pack_cache: Path | None = None,
+                 head_kinds: tuple[str | None, str | None] = (None, None),
+                 smooth: bool = True) -> None:
+        self.head_kinds = (head_kinds[0] or talker_kind, head_kinds[1] or cp_kind)
+        self.smooth = smooth
         self.lib = _lib()
         self.pool = Pool(threads or torch.get_num_threads(), self.lib, lent_cpus=lent_cpus,
                          lease=lease)
@@ -496,12 +586,13 @@ class NativeRunner:
 
     def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache) -> None:
         t, cp = engine.talker, engine.talker.code_predictor
-        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind, packs)
-        self.head = pack_linear(t.codec_head, talker_kind, packs)
-        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind, packs)
-        self.cp_heads = [pack_linear(h, cp_kind, packs) for h in cp.lm_head]
+        head, cp_head = self.head_kinds
+        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind, packs, self.smooth)
+        self.head = pack_linear(t.codec_head, head, packs)
+        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind, packs, self.smooth)
+        self.cp_heads = [pack_linear(h, cp_head, packs) for h in cp.lm_head]
         proj = cp.small_to_mtp_projection
-        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_kind, packs)
+        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_head, packs)
         if packs.loaded is not None and packs.i != len(packs.loaded):
             log.warning("the pack cache %s holds more products than this model: packing afresh",
                         packs.path)

@@ -1,4 +1,4 @@
-// Low-bit and exact products (q4 / q8 on VPDPBUSD, f32) of the CPU runtime.
+// Low-bit and exact products (q4 / q5 / q6 / q8 on VPDPBUSD, f32) of the CPU runtime.
 // Part of omni_cpu.cpp (one translation unit); see there for the overview.
 #pragma once
 #include "oc_pool.h"
@@ -101,6 +101,80 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, facc[r]);
 }
 
+// q6 / q5 layout: per block of 16 rows and group of 64 inputs, 4 steps t of 16 inputs: two
+// vectors of low nibbles in the q4 layout (k-quads 4 t .. 4 t + 3), then their top bits:
+//   q6, one vector: byte 4 r + i, bits 2 u..2 u + 1 hold the top two bits of row r's input
+//       4 (4 t + u) + i (768 bytes per group);
+//   q5, half a vector: lane p = 4 r + i of k-quad 4 t + u is bit u of byte p (p < 32, low
+//       nibble) or of byte p - 32 (high nibble) (640 bytes per group).
+// One step reads its bytes (one sequential stream) and unpacks 4 VPDPBUSD operands of unsigned
+// 5- or 6-bit weights; the scales and the epilogue are q4's.
+template <int BITS>
+constexpr int step_bytes() { return BITS == 6 ? 192 : 160; }
+
+template <int MT, int BITS>
+void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int nb,
+               float* y, int ldy) {
+  constexpr int SB = step_bytes<BITS>();
+  const int k = L.k, ng = k / 64;
+  const uint8_t* wb = L.w + (int64_t)nb * ng * 4 * SB;
+  const uint16_t* sb = L.scales + (int64_t)nb * ng * 32;
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(BITS == 6 ? 0x30 : 0x10);
+  for (int j = 0; j < ng; j++) {
+    constexpr int A = MT <= 4 ? 4 : 2;
+    __m512i iacc[MT][A];
+    for (int r = 0; r < MT; r++)
+      for (int u = 0; u < A; u++) iacc[r][u] = _mm512_setzero_si512();
+    const uint8_t* wp = wb + (int64_t)j * 4 * SB;
+    for (int t = 0; t < 4; t++) {
+      const uint8_t* tp = wp + t * SB;
+      _mm_prefetch((const char*)(tp + OC_PF), _MM_HINT_T0);
+      _mm_prefetch((const char*)(tp + OC_PF + 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(tp + OC_PF + 128), _MM_HINT_T0);
+      __m512i r0 = _mm512_loadu_si512((const void*)tp);
+      __m512i r1 = _mm512_loadu_si512((const void*)(tp + 64));
+      __m512i n0 = _mm512_and_si512(r0, lo4), n1 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+      __m512i n2 = _mm512_and_si512(r1, lo4), n3 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
+      __m512i w0, w1, w2, w3;
+      if constexpr (BITS == 6) {
+        __m512i c = _mm512_loadu_si512((const void*)(tp + 128));
+        w0 = _mm512_or_si512(n0, _mm512_and_si512(_mm512_slli_epi16(c, 4), top));
+        w1 = _mm512_or_si512(n1, _mm512_and_si512(_mm512_slli_epi16(c, 2), top));
+        w2 = _mm512_or_si512(n2, _mm512_and_si512(c, top));
+        w3 = _mm512_or_si512(n3, _mm512_and_si512(_mm512_srli_epi16(c, 2), top));
+      } else {
+        __m256i b = _mm256_loadu_si256((const __m256i*)(tp + 128));
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        __m512i e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m4)),
+                                       _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), 1);
+        w0 = _mm512_or_si512(n0, _mm512_and_si512(_mm512_slli_epi16(e, 4), top));
+        w1 = _mm512_or_si512(n1, _mm512_and_si512(_mm512_slli_epi16(e, 3), top));
+        w2 = _mm512_or_si512(n2, _mm512_and_si512(_mm512_slli_epi16(e, 2), top));
+        w3 = _mm512_or_si512(n3, _mm512_and_si512(_mm512_slli_epi16(e, 1), top));
+      }
+      const int kk = j * 64 + t * 16;
+      for (int r = 0; r < MT; r++) {
+        const i32a* xr = reinterpret_cast<const i32a*>(x8 + (int64_t)r * k + kk);
+        iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, _mm512_set1_epi32(xr[0]));
+        iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, _mm512_set1_epi32(xr[1]));
+        iacc[r][2 % A] = _mm512_dpbusd_epi32(iacc[r][2 % A], w2, _mm512_set1_epi32(xr[2]));
+        iacc[r][3 % A] = _mm512_dpbusd_epi32(iacc[r][3 % A], w3, _mm512_set1_epi32(xr[3]));
+      }
+    }
+    __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
+    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
+    for (int r = 0; r < MT; r++) {
+      __m512i a = _mm512_add_epi32(iacc[r][0], iacc[r][1]);
+      if constexpr (A == 4) a = _mm512_add_epi32(a, _mm512_add_epi32(iacc[r][2], iacc[r][3]));
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), facc[r]);
+      facc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), facc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, facc[r]);
+}
+
 template <int MT>
 void q8_block(const OcLinear& L, const uint8_t* xu, const float* xs, int nb, float* y, int ldy) {
   const int k = L.k;
@@ -128,6 +202,23 @@ void q8_block(const OcLinear& L, const uint8_t* xu, const float* xs, int nb, flo
 }
 #endif
 
+
+#if OC_VNNI
+template <int BITS>
+void q56_dispatch(int mt, const OcLinear& L, const int8_t* xr, const float* xsr, const int32_t* gs,
+                  int64_t nb, float* yr) {
+  switch (mt) {
+    case 1: q56_block<1, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 2: q56_block<2, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 3: q56_block<3, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 4: q56_block<4, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 5: q56_block<5, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 6: q56_block<6, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    case 7: q56_block<7, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+    default: q56_block<8, BITS>(L, xr, xsr, gs, nb, yr, L.n); break;
+  }
+}
+#endif
 
 #if OC_AMX
 // ------------------------------------------------------------------------------ AMX (int8 tiles)
@@ -209,7 +300,7 @@ void q4_block_amx(const OcLinear& L, const int8_t* x8, const float* xs, const in
 }
 #endif
 
-// scalar reference of both low-bit kernels (no VNNI on this CPU)
+// scalar reference of the low-bit kernels (no VNNI on this CPU)
 void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int m,
                    int64_t n0, int64_t n1, float* y) {
   const int k = L.k;
@@ -217,7 +308,27 @@ void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const i
     for (int64_t n = n0; n < n1; n++) {
       int64_t nb = n / 16, row = n % 16;
       double acc = 0;
-      if (L.kind == 0) {
+      if (L.kind == 3 || L.kind == 4) {  // q6, q5 (layouts above q56_block)
+        const int ng = k / 64, sbytes = L.kind == 3 ? 192 : 160;
+        for (int j = 0; j < ng; j++) {
+          const uint8_t* wp = L.w + (nb * ng + j) * 4 * sbytes;
+          int32_t s = 0;
+          for (int i = 0; i < 64; i++) {
+            int kq = i / 4, lane = i % 4, pos = row * 4 + lane, u = kq % 4;
+            const uint8_t* tp = wp + (kq / 4) * sbytes;
+            uint8_t nib = tp[((kq / 2) % 2) * 64 + pos];
+            int q = (kq % 2 == 0) ? (nib & 15) : (nib >> 4);
+            if (L.kind == 3)
+              q |= ((tp[128 + pos] >> (2 * u)) & 3) << 4;
+            else
+              q |= ((tp[128 + pos % 32] >> ((pos < 32 ? 0 : 4) + u)) & 1) << 4;
+            s += q * x8[(int64_t)r * k + j * 64 + i];
+          }
+          const uint16_t* sp = L.scales + (nb * ng + j) * 32;
+          acc += (double)f16_to_f32(sp[row]) * s * xs[r] +
+                 (double)f16_to_f32(sp[16 + row]) * gsum[(int64_t)r * ng + j] * xs[r];
+        }
+      } else if (L.kind == 0) {
         int g = L.group, ng = k / g;
         for (int j = 0; j < ng; j++) {
           int32_t s = 0;
@@ -277,7 +388,7 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       f32_rows(L, x, m, lo, hi, y);
     });
   } else {
-    const int g = L.kind == 0 ? L.group : 0;
+    const int g = L.kind == 1 ? 0 : L.group;  // q4, q5, q6: per-group sums
     s.x8.resize((size_t)m * L.k);
     s.xs.resize(m);
     s.gsum.resize(g > 0 ? (size_t)m * (L.k / g) : 1);
@@ -314,12 +425,18 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       split(nblocks, pool->active(), t, &b0, &b1);
 #if OC_VNNI
       for (int64_t nb = b0; nb < b1; nb++)
-        for (int r0 = 0; r0 < m; r0 += (L.kind == 0 ? 8 : 4)) {
-          int mt = std::min(L.kind == 0 ? 8 : 4, m - r0);
+        for (int r0 = 0; r0 < m; r0 += (L.kind == 1 ? 4 : 8)) {
+          int mt = std::min(L.kind == 1 ? 4 : 8, m - r0);
           const int8_t* xr = s.x8.data() + (int64_t)r0 * L.k;
           const float* xsr = s.xs.data() + r0;
           float* yr = y + (int64_t)r0 * L.n;
-          if (L.kind == 0) {
+          if (L.kind == 3 || L.kind == 4) {
+            const int32_t* gs = s.gsum.data() + (int64_t)r0 * (L.k / g);
+            if (L.kind == 3)
+              q56_dispatch<6>(mt, L, xr, xsr, gs, nb, yr);
+            else
+              q56_dispatch<5>(mt, L, xr, xsr, gs, nb, yr);
+          } else if (L.kind == 0) {
             const int32_t* gs = s.gsum.data() + (int64_t)r0 * (L.k / g);
             switch (mt) {
               case 1: q4_block<1>(L, xr, xsr, gs, nb, yr, L.n); break;

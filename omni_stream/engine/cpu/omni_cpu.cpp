@@ -13,12 +13,15 @@
 // int8 and multiplied with VPDPBUSD (u8 x s8 -> s32).
 //   q4: unsigned nibbles q with a per-(row, group) fp16 scale s and offset m: w = q s + m;
 //       sum w x = xs (s sum q x8 + m sum x8) per group.
+//   q6 / q5: as q4 with 6- / 5-bit q (the nibble plus the top bits, beside it per 16 inputs).
 //   q8: signed bytes with a per-row scale; activations as the unsigned operand x8 + 128, and
 //       the 128 sum w term removed with the row sums.
 //   f32: exact fp32 weights.
 // Layouts (N a multiple of 16, K a multiple of 4 and of the q4 group):
 //   q4 weights [N/16][K/8][64] bytes, byte 4 r + i: row r at input 4 kq + i (low nibble) and
 //      4 (kq + 1) + i (high nibble), kq even; scales [N/16][K/G][2][16] fp16 (scale, offset).
+//   q6 / q5 weights [N/16][K/64][4][192 / 160] bytes: per group and 16 inputs, two vectors
+//      of nibbles in the q4 layout, then the top bits (oc_gemm.h q56_block); scales as q4's.
 //   q8 weights [N/16][K/4][64] bytes, byte 4 r + i: row r at input 4 kq + i.
 // Built with -march=native by engine/cpu/build.py; without AVX-512 VNNI the same code runs
 // with a scalar fallback (correct, slow; the profile does not pick this engine there). With
