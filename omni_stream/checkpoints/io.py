@@ -7,6 +7,8 @@
     DIR/preprocessor_config.json     processor stub the reference loader expects
     DIR/speech_tokenizer/config.json, model.safetensors   codec: decoder.* (Code2Wav) and, for
                                      Base, encoder.* (reference audio -> ICL codes)
+    DIR/omni_stream_outliers.json    only in ``--outliers`` random checkpoints: what was planted
+                                     (config.json stays the released one; loaders never read it)
 
 Loading is strict: the key map is the module tree (whose names are the released keys); any
 missing, unexpected or mis-shaped tensor fails with its name. Weights are built on the meta
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
@@ -224,9 +227,53 @@ def load_speaker_encoder(path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 # ---------------------------------------------------------------------------- random writer
-def _random_main_state(module: nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+OUTLIERS_FILE = "omni_stream_outliers.json"
+STUDENT_T_DF = 4
+OUTLIER_ALPHA = (30.0, 100.0)
+OUTLIER_GAINS = ("input_layernorm", "post_attention_layernorm")
+# the linears reading those norms: q/k/v read input_layernorm, gate/up post_attention_layernorm
+OUTLIER_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                   "mlp.gate_proj", "mlp.up_proj")
+_DECODER_TENSOR = re.compile(
+    r"(?P<layer>talker\.(?:code_predictor\.)?model\.layers\.\d+)\.(?P<part>self_attn\.[qkvo]_proj"
+    r"|mlp\.(?:gate|up|down)_proj|input_layernorm|post_attention_layernorm)\.weight")
+
+
+def _outlier_channels(hidden: int, dtype: torch.dtype,
+                      g: torch.Generator) -> list[tuple[int, float]]:
+    """One layer's massive-activation channels: about hidden/256 (at least one), each with a
+    factor in OUTLIER_ALPHA rounded to the stored dtype, so the stored gain is exactly alpha."""
+    idx = torch.randperm(hidden, generator=g)[:max(1, hidden // 256)].sort().values
+    lo, hi = OUTLIER_ALPHA
+    alpha = (lo + (hi - lo) * torch.rand(len(idx), generator=g)).to(dtype).float()
+    return [(int(c), float(a)) for c, a in zip(idx, alpha)]
+
+
+def _plant_outliers(v: torch.Tensor, part: str, channels: list[tuple[int, float]],
+                    g: torch.Generator) -> torch.Tensor:
+    """One decoder tensor (fp32) of an outlier checkpoint. Linear weights: the plain normal draw
+    times sqrt((df-2)/chi2_df), i.e. Student-t(df) with the plain std. Norm gains times alpha
+    and the input columns of the linears reading them over alpha: the same function, with
+    activations 30-100x larger in those channels."""
+    idx = torch.tensor([c for c, _ in channels])
+    alpha = torch.tensor([a for _, a in channels])
+    if part in OUTLIER_GAINS:
+        v[idx] *= alpha
+        return v
+    chi2 = sum(torch.empty(v.shape).normal_(generator=g).square() for _ in range(STUDENT_T_DF))
+    v = v * ((STUDENT_T_DF - 2) / chi2).sqrt()
+    if part in OUTLIER_READERS:
+        v[:, idx] /= alpha
+    return v
+
+
+def _random_main_state(module: nn.Module, seed: int, dtype: torch.dtype, outliers: bool = False
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[int, float]]]]:
+    """The main tensors, and with ``outliers`` the planted channels per decoder layer. Outliers
+    draw from their own generator, so every other tensor equals the plain checkpoint's."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    go = torch.Generator().manual_seed(seed + 4)
+    out, planted = {}, {}
     for name, t in module.state_dict().items():
         shape = tuple(t.shape)
         if name.endswith("norm.weight"):
@@ -235,14 +282,29 @@ def _random_main_state(module: nn.Module, seed: int, dtype: torch.dtype) -> dict
             v = torch.zeros(shape)
         else:
             v = torch.empty(shape).normal_(0.0, 0.02, generator=g)
+        m = _DECODER_TENSOR.fullmatch(name) if outliers else None
+        if m:
+            layer = m["layer"]
+            if layer not in planted:
+                hidden = module.get_submodule(layer).input_layernorm.weight.shape[0]
+                planted[layer] = _outlier_channels(hidden, dtype, go)
+            v = _plant_outliers(v, m["part"], planted[layer], go)
         out[name] = v.to(dtype).contiguous()
-    return out
+    return out, planted
 
 
 def write_random_checkpoint(out: str | Path, preset: str, variant: str, seed: int = 0,
                             dtype: torch.dtype = torch.bfloat16, talker_layers: int | None = None,
-                            cp_layers: int | None = None) -> Path:
-    """Write a random checkpoint of a preset in the released layout; returns the folder."""
+                            cp_layers: int | None = None, outliers: bool = False) -> Path:
+    """Write a random checkpoint of a preset in the released layout; returns the folder.
+
+    ``outliers``: give the talker's and code predictor's decoder layers what trained LLMs have
+    and plain random weights lack, so quantizers are tested where it matters: Student-t
+    (STUDENT_T_DF) linear weights with the plain std 0.02, and in every layer a few hidden
+    channels with massive activations (norm gains x alpha, the reading linears' input columns
+    / alpha: a re-parameterization of the same function, exact up to the stored dtype's
+    rounding, so bf16 loses a little). What was planted goes to OUTLIERS_FILE, not config.json,
+    which stays loadable by the official code."""
     out = Path(out)
     main_cfg = presets.model_config_dict(preset, variant, talker_layers=talker_layers, cp_layers=cp_layers)
     codec_cfg = presets.codec_config_dict(preset)
@@ -250,7 +312,7 @@ def write_random_checkpoint(out: str | Path, preset: str, variant: str, seed: in
     (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         weights = Qwen3TTSWeights(cfg.talker)
-    state = _random_main_state(weights, seed, dtype)
+    state, planted = _random_main_state(weights, seed, dtype, outliers)
     if cfg.speaker_encoder is not None:
         from omni_stream.models.speaker_encoder import random_state_dict as spk_random
         state.update({f"speaker_encoder.{k}": v.to(dtype).contiguous()
@@ -272,4 +334,9 @@ def write_random_checkpoint(out: str | Path, preset: str, variant: str, seed: in
     write_random_tokenizer(out)
     for name, body in presets.auxiliary_files().items():
         (out / name).write_text(json.dumps(body, indent=2))
+    if outliers:
+        (out / OUTLIERS_FILE).write_text(json.dumps(
+            {"outliers": True, "student_t_df": STUDENT_T_DF, "channels": planted}, indent=2))
+    else:  # rewriting a folder: a stale record would describe weights that are no longer there
+        (out / OUTLIERS_FILE).unlink(missing_ok=True)
     return out
