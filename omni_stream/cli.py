@@ -24,13 +24,17 @@ def _dtype(name: str):
 
 
 def cmd_make_checkpoint(a: argparse.Namespace) -> int:
-    from omni_stream.checkpoints.io import write_random_checkpoint
+    from omni_stream.checkpoints.io import OUTLIERS_FILE, STUDENT_T_DF, write_random_checkpoint
 
     t0 = time.perf_counter()
     out = write_random_checkpoint(a.out, a.preset, a.variant, seed=a.seed, dtype=_dtype(a.dtype),
-                                  talker_layers=a.talker_layers, cp_layers=a.cp_layers)
+                                  talker_layers=a.talker_layers, cp_layers=a.cp_layers,
+                                  outliers=a.outliers)
     print(f"wrote {a.preset} {a.variant} checkpoint (seed {a.seed}) to {out} "
           f"in {time.perf_counter() - t0:.1f} s")
+    if a.outliers:
+        print(f"with outliers: Student-t(df={STUDENT_T_DF}) decoder weights and massive-activation "
+              f"channels, listed in {out / OUTLIERS_FILE}")
     return 0
 
 
@@ -98,6 +102,78 @@ def cmd_synthesize(a: argparse.Namespace) -> int:
           f"{', stopped on eos' if res.stopped_on_eos else ', hit max frames'}"
           + (f" -> {a.out}" if a.out else ""))
     return 0
+
+
+def cmd_fidelity(a: argparse.Namespace) -> int:
+    """Teacher-forced fidelity of each weight path against the fp32 torch reference: one table
+    row per path (evaluation.fidelity), optionally as JSON."""
+    import json
+
+    import torch
+
+    from omni_stream.checkpoints.default import resolve_model_path
+    from omni_stream.evaluation.fidelity import (engine_paths, load_path, outliers_note, reference,
+                                                 report_row, teacher_forced)
+
+    if a.frames < 1:
+        raise SystemExit("omni-stream fidelity: --frames must be at least 1")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    runs = engine_paths(a.engine)
+    paths = list(dict.fromkeys(a.weight_path or runs))
+    for p in paths:
+        if p not in runs:
+            print(f"omni-stream fidelity: error: weight path {p} does not run on the {a.engine} "
+                  f"engine: use one of {', '.join(runs)}", file=sys.stderr)
+            return 2
+    path = resolve_model_path(a.model)
+    note = outliers_note(path)
+    if note:
+        print(note)
+    ref, reqs, seq = reference(path, a.frames)
+    rows = []
+    for p in paths:
+        t0 = time.perf_counter()
+        test = load_path(path, p, a.engine, a.threads or None, max_seq_len=seq)
+        rows.append(dict(report_row(p, a.engine, teacher_forced(ref, test, reqs, a.frames)),
+                         seconds=round(time.perf_counter() - t0, 2)))
+        del test
+    _fidelity_table(rows, f"{a.engine} engine vs fp32 torch, teacher-forced, {len(reqs)} "
+                          f"prompts x {a.frames} frames (SNR in dB)")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(model=str(path), engine=a.engine, frames=a.frames,
+                           outliers=note is not None, rows=rows), fh, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+def _fidelity_table(rows: list[dict], title: str) -> None:
+    def db(v):
+        return "inf" if v is None else f"{v:.1f}"  # as_dict writes an infinite SNR as None
+
+    # SNRs in dB; code-0 / top-5 / CP: agreement; CP worst: the least agreeing codebook
+    head = ["path", "talker SNR", "code-0", "top-5", "CP SNR", "CP", "CP worst", "audio SNR"]
+    body = [[r["weight_path"], db(r["logits_snr_db"]), f"{r['code0_agreement']:.3f}",
+             f"{r['code0_top5_overlap']:.3f}", db(r["cp_logits_snr_db"]), f"{r['cp_agreement']:.3f}",
+             "-" if r["cp_worst_codebook"] is None
+             else f"{r['cp_worst_agreement']:.3f} cb{r['cp_worst_codebook']}",
+             "-" if r["frames"] == 0 else db(r["audio_snr_db"])] for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        w = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+        for line in [head] + body:
+            print("  ".join(c.rjust(n) for c, n in zip(line, w)))
+        return
+    t = Table(title=title)
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for line in body:
+        t.add_row(*line)
+    Console().print(t)
 
 
 # serve flag (argparse dest) -> DeployProfile field; a flag left unset is filled by the profile
@@ -327,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bf16", help="stored dtype: bf16 (released) or fp32")
     m.add_argument("--talker-layers", type=int, default=None, help="override the talker depth")
     m.add_argument("--cp-layers", type=int, default=None, help="override the code predictor depth")
+    m.add_argument("--outliers", action="store_true",
+                   help="heavy-tailed decoder weights and massive-activation channels, as in "
+                        "trained LLMs (same function; for testing quantizers)")
     m.add_argument("--out", required=True)
     m.set_defaults(func=cmd_make_checkpoint)
 
@@ -356,6 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="output wav path")
     s.add_argument("--codes-out", default=None, help="output codes .npy (int64 [frames, 16])")
     s.set_defaults(func=cmd_synthesize)
+
+    fd = sub.add_parser("fidelity", help="teacher-forced fidelity of weight paths against fp32")
+    add_model_argument(fd)
+    fd.add_argument("--weight-path", action="extend", nargs="+", choices=WEIGHT_PATHS, default=None,
+                    help="paths to compare (repeatable; default: every path the engine runs)")
+    fd.add_argument("--frames", type=int, default=32, help="teacher-forced frames per prompt")
+    fd.add_argument("--threads", type=int, default=0)
+    fd.add_argument("--engine", choices=ENGINES, default="torch",
+                    help="what runs the tested paths (the reference is always fp32 torch)")
+    fd.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
+    fd.set_defaults(func=cmd_fidelity)
     v = sub.add_parser("serve", help="run the streaming HTTP/WebSocket server")
     add_model_argument(v)
     v.add_argument("--model-name", default=None, help="served model id (default: qwen3-tts)")

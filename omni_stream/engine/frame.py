@@ -118,7 +118,7 @@ class FrameEngine:
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
                    threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
-                   lease=None, pack_cache=None) -> None:
+                   lease=None, pack_cache=None, head_kinds=(None, None), smooth=True) -> None:
         """Run the talker step, its head, prefill and the code predictor's frame on the CPU
         runtime (``engine/cpu``) with the given weight paths; the engine's state is shared.
         ``lent_cpus``/``lease``: extra runtime threads on cores lent by another process while
@@ -129,7 +129,8 @@ class FrameEngine:
         if self.device.type != "cpu":
             raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
         self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
-                                   lease=lease, pack_cache=pack_cache)
+                                   lease=lease, pack_cache=pack_cache, head_kinds=head_kinds,
+                                   smooth=smooth)
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
@@ -308,6 +309,43 @@ class FrameEngine:
         codes = torch.stack(out, dim=1)  # [p, G-1]
         ok = ((codes >= 0) & (codes < size)).all(dim=1, keepdim=True)  # validation at the source
         return torch.where(ok, codes, torch.full_like(codes, INVALID))
+
+    @torch.inference_mode()
+    def cp_logits_teacher_forced(self, hidden: torch.Tensor, code0: int,
+                                 codes: torch.Tensor) -> torch.Tensor:
+        """The code predictor's logits [G-1, codebook] fp32 of one frame with its inputs given
+        instead of drawn: talker hidden state [1, C], codebook-0 id and codes 1..G-1 [G-1] (the
+        last is no input). Two engines fed the same inputs this way compare their weights
+        sub-step by sub-step (evaluation.fidelity) where free-running draws would diverge at
+        the first flip; fed its own greedy codes, the argmax is what ``_predict_residual``
+        drew (in bf16 the torch path's one causal pass rounds unlike the sub-steps, so a
+        near-tie may flip). Runs on the engine's own path and leaves its state alone (the
+        runtime borrows the last code-predictor cache slot, which every frame rewrites before
+        reading it)."""
+        from omni_stream.engine.step import step_mask
+
+        g, size = self.cfg.num_code_groups, self.codebook_size
+        c0 = torch.tensor([int(code0)], device=self.device).clamp(0, self.cfg.lm.vocab_size - 1)
+        res = torch.as_tensor(codes, device=self.device).reshape(-1)[:g - 2].clamp(0, size - 1)
+        cpm = self.talker.code_predictor
+        x = torch.cat([hidden.reshape(1, -1).to(self.dtype), self.talker.codec_embed(c0)]  # [G, C]
+                      + [cpm.model.codec_embedding[j](res[j:j + 1]) for j in range(g - 2)])
+        if self.native is None:  # the whole sequence in one causal pass
+            x = cpm.small_to_mtp_projection(x).unsqueeze(0)  # [1, G, Ccp]
+            cos, sin = self.cp_rope(torch.arange(g, device=self.device).unsqueeze(0), x.dtype)
+            h, _ = cpm.model(x, cos, sin, step_mask(None, 0, g, x.dtype, self.device), None)
+            return torch.stack([cpm.lm_head[j](h[0, j + 1]) for j in range(g - 1)]).float()
+        import ctypes as C
+
+        n, slot, x, out = self.native, self.shape.max_slots - 1, x.float(), []
+        for a, b in [(0, 2)] + [(j, j + 1) for j in range(2, g)]:  # the calls cp_frame makes
+            h = n.linear(n.proj, x[a:b]) if n.proj is not None else x[a:b].clone()
+            slots, pos = torch.full((b - a,), slot, dtype=torch.int64), torch.arange(a, b)
+            n.lib.oc_stack_step(n.pool.handle, C.byref(n.cp.struct), C.byref(n.cp.cache), b - a,
+                                slots.data_ptr(), pos.data_ptr(), n.cp_rope[0].data_ptr(),
+                                n.cp_rope[1].data_ptr(), h.data_ptr())
+            out.append(h[-1:])
+        return torch.cat([n.linear(n.cp_heads[j], out[j]) for j in range(g - 1)])
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance slots [0, p) by one frame. Returns (codes [p, G] of the finished frame,
