@@ -118,19 +118,19 @@ class FrameEngine:
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
                    threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
-                   lease=None, pack_cache=None, head_kinds=(None, None), smooth=True) -> None:
+                   lease=None, pack_cache=None, plan=None) -> None:
         """Run the talker step, its head, prefill and the code predictor's frame on the CPU
         runtime (``engine/cpu``) with the given weight paths; the engine's state is shared.
         ``lent_cpus``/``lease``: extra runtime threads on cores lent by another process while
         it does not hold the lease (``engine.cpu.native.Pool``). ``pack_cache``: a file where
-        the packed weights are kept between starts (``engine.cpu.native.PackCache``)."""
+        the packed weights are kept between starts (``engine.cpu.native.PackCache``). ``plan``: a
+        ``engine.cpu.native.WeightPlan`` (kind per product) instead of the two kinds."""
         from omni_stream.engine.cpu.native import NativeRunner
 
         if self.device.type != "cpu":
             raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
         self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
-                                   lease=lease, pack_cache=pack_cache, head_kinds=head_kinds,
-                                   smooth=smooth)
+                                   lease=lease, pack_cache=pack_cache, plan=plan)
 
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,

@@ -8,7 +8,7 @@ another, prefill pieces in a third. It reads and writes the engine's own tensors
 seeds, counters, sampling settings) through their data pointers, so the engine's bookkeeping,
 the stages and the tests see one engine whichever runtime computes it.
 
-Weight kinds (``kind``), one per product: ``q4`` / ``q5`` / ``q6`` unsigned 4- to 6-bit codes with a
+Weight kinds (``kind``), one per product: ``q4`` / ``q5`` / ``q6`` / ``q8g`` unsigned 4- to 8-bit codes with a
 per-(row, group of 64 inputs) fp16 scale and offset, the range of each group clipped where that
 lowers its squared error; ``q8`` signed bytes with a per-row scale; ``f32`` the exact weights.
 Each product quantizes its input rows to int8 (per row); see the C file for the layouts. A
@@ -32,10 +32,13 @@ from omni_stream.engine.cpu.build import ensure_library
 
 log = logging.getLogger(__name__)
 
-KINDS = {"q4": 0, "q8": 1, "f32": 2, "q6": 3, "q5": 4}
+KINDS = {"q4": 0, "q8": 1, "f32": 2, "q6": 3, "q5": 4, "q8g": 5}
 Q4_GROUP = 64  # inputs per scale of q4 and q6
-LEVELS = {"q4": 15, "q5": 31, "q6": 63}  # largest code of the affine kinds
-CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # range fractions tried per group (least error wins)
+LEVELS = {"q4": 15, "q5": 31, "q6": 63, "q8g": 255}  # largest code of the affine kinds
+# range fractions tried per group (least error wins): at 4 bits clipping a far weight often
+# pays (~4 % less squared error on Student-t weights); at 6 bits the full range nearly always
+# wins, so the search (~10x the packing time) is kept where it pays
+CLIPS = {"q4": (1.0, 0.95, 0.9, 0.85, 0.8, 0.75), "q5": (1.0, 0.95, 0.9), "q6": (1.0,), "q8g": (1.0,)}
 
 
 # ------------------------------------------------------------------------------ C mirrors
@@ -275,7 +278,7 @@ def kind_for(n: int, k: int, kind: str) -> str:
 
 
 def affine_codes(w: torch.Tensor, levels: int, group: int = Q4_GROUP,
-                 clips: tuple[float, ...] = CLIPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 clips: tuple[float, ...] = CLIPS["q4"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes q in [0, levels] and fp16-exact scale s and offset m per (row, group) of w [n, k],
     w ~ q s + m. Each group's [min, max] range is shrunk toward zero by each fraction of
     ``clips`` in turn and keeps the one of least squared error (a heavy-tailed group gives up
@@ -284,21 +287,25 @@ def affine_codes(w: torch.Tensor, levels: int, group: int = Q4_GROUP,
     n, k = w.shape
     wg = w.view(n, k // group, group)
     lo0, hi0 = wg.amin(-1), wg.amax(-1)
-    best = None
-    for c in clips:
+
+    def params(c: float) -> tuple[torch.Tensor, torch.Tensor]:
         lo = (lo0 * c).half().float()
-        scale = ((hi0 - lo0) * c / levels).clamp(min=1e-8).half().float()
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, levels)
-        err = ((q * scale[..., None] + lo[..., None] - wg) ** 2).sum(-1)
-        if best is None:
-            best = [err, q, scale, lo]
-        else:
-            better = err < best[0]
-            best[0] = torch.where(better, err, best[0])
-            best[1] = torch.where(better[..., None], q, best[1])
-            best[2] = torch.where(better, scale, best[2])
-            best[3] = torch.where(better, lo, best[3])
-    return best[1].to(torch.uint8).view(n, k), best[2], best[3]
+        return ((hi0 - lo0) * c / levels).clamp(min=1e-8).half().float(), lo
+
+    def codes(scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        return torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, levels)
+
+    scale, lo = params(clips[0])
+    if len(clips) > 1:  # each group keeps the fraction of least squared error
+        errs = []
+        for c in clips:
+            sc, mn = params(c)
+            errs.append(((codes(sc, mn) * sc[..., None] + mn[..., None] - wg) ** 2).sum(-1))
+        best = torch.stack(errs).argmin(0)
+        frac = torch.tensor(clips, dtype=w.dtype)[best]
+        lo = (lo0 * frac).half().float()
+        scale = ((hi0 - lo0) * frac / levels).clamp(min=1e-8).half().float()
+    return codes(scale, lo).to(torch.uint8).view(n, k), scale, lo
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -330,10 +337,12 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> P
         deq = w
     elif kind in LEVELS:
         g = Q4_GROUP
-        q, scale, lo = affine_codes(w, LEVELS[kind], g)  # scale, lo: what the kernel will read
+        q, scale, lo = affine_codes(w, LEVELS[kind], g, CLIPS[kind])  # what the kernel reads
         deq = (q.view(n, k // g, g).float() * scale[..., None] + lo[..., None]).view(n, k)
-        packed = _nibbles(q)
-        if kind == "q6":  # per 16 inputs of a group: 2 nibble vectors, 1 of the top two bits
+        packed = _nibbles(q) if kind != "q8g" else None
+        if kind == "q8g":  # the q8 layout of unsigned codes (one vector per k-quad)
+            packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64)
+        elif kind == "q6":  # per 16 inputs of a group: 2 nibble vectors, 1 of the top two bits
             top = (q >> 4).view(n // 16, 16, k // g, 4, 4, 4)  # [b, row, group, t, u, i]
             crumbs = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 2) | (top[:, :, :, :, 2] << 4) \
                 | (top[:, :, :, :, 3] << 6)
@@ -489,12 +498,124 @@ def smoothing(gain: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Te
     return torch.where(ok, s, torch.ones_like(s)).clamp(1 / 1024, 1024)
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in packing order
+ATTENTION = ("qkv", "o")
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """The weight kind of every product the runner packs (mixed precision per tensor).
+
+    ``talker`` / ``cp``: each stack's layers (a kind, or a per-product mapping with
+    ``attention`` / ``mlp`` for the classes), ``early`` (fraction, kind): the first fraction of
+    each stack's layers in that kind (their errors pass through every later layer),
+    ``talker_head`` / ``cp_head``: the codec head and the code predictor's heads and projection
+    (None: as the layers' default), ``overrides``: ("talker.3.qkv", kind) pairs that win over the
+    rules (a measured allocation); ``smooth``: fold norm outliers into low-bit weights."""
+
+    talker: str = "q4"
+    cp: str = "q4"
+    talker_attention: str | None = None
+    cp_attention: str | None = None
+    early: tuple[float, str] | None = None
+    talker_head: str | None = None
+    cp_head: str | None = None
+    overrides: tuple[tuple[str, str], ...] = ()
+    smooth: bool = True
+
+    def __post_init__(self) -> None:
+        kinds = [self.talker, self.cp, self.talker_attention, self.cp_attention, self.talker_head,
+                 self.cp_head] + [k for _, k in self.overrides] + ([self.early[1]] if self.early else [])
+        for k in kinds:
+            if k is not None and k not in KINDS:
+                raise ValueError(f"unknown weight kind {k!r}: one of {', '.join(KINDS)}")
+        for name, _ in self.overrides:
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] not in ("talker", "cp") or not parts[1].isdigit() \
+                    or parts[2] not in PRODUCTS:
+                raise ValueError(f"weight plan override {name!r}: name a product as "
+                                 f"'talker|cp.LAYER.{'|'.join(PRODUCTS)}'")
+        if self.early is not None and not 0.0 <= self.early[0] <= 1.0:
+            raise ValueError(f"weight plan early fraction must be in [0, 1], got {self.early[0]}")
+
+    def kind(self, stack: str, layer: int, layers: int, product: str) -> str:
+        """The kind of ``product`` of layer ``layer`` (of ``layers``) of ``stack`` (talker/cp)."""
+        over = dict(self.overrides).get(f"{stack}.{layer}.{product}")
+        if over is not None:
+            return over
+        if self.early is not None and layer < round(self.early[0] * layers):
+            return self.early[1]
+        attn = self.talker_attention if stack == "talker" else self.cp_attention
+        if attn is not None and product in ATTENTION:
+            return attn
+        return self.talker if stack == "talker" else self.cp
+
+    def head(self, stack: str) -> str:
+        return (self.talker_head or self.talker) if stack == "talker" else (self.cp_head or self.cp)
+
+    def as_dict(self) -> dict:
+        return dict(talker=self.talker, cp=self.cp, talker_attention=self.talker_attention,
+                    cp_attention=self.cp_attention, early=list(self.early) if self.early else None,
+                    talker_head=self.talker_head, cp_head=self.cp_head,
+                    overrides=[list(o) for o in self.overrides], smooth=self.smooth)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeightPlan":
+        known = set(cls.__dataclass_fields__)
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown weight plan keys: {', '.join(sorted(extra))} "
+                             f"(known: {', '.join(sorted(known))})")
+        d = dict(d)
+        if d.get("early") is not None:
+            d["early"] = (float(d["early"][0]), str(d["early"][1]))
+        d["overrides"] = tuple((str(a), str(b)) for a, b in d.get("overrides", ()))
+        return cls(**d)
+
+
+def product_bytes(n: int, k: int, kind: str) -> int:
+    """Bytes a product of [n, k] weights of ``kind`` reads per call (its layout's real size)."""
+    kind = kind_for(n, k, kind)
+    if kind == "f32":
+        return 4 * n * k
+    if kind == "q8":
+        return n * k + 8 * n  # bytes, then a scale and a row sum per row
+    bits = {"q4": 4, "q5": 5, "q6": 6, "q8g": 8}[kind]
+    return n * k * bits // 8 + n * (k // Q4_GROUP) * 4  # codes, then fp16 scale + offset
+
+
+def frame_weight_bytes(talker_cfg, plan: WeightPlan) -> int:
+    """Weight bytes one decode frame reads under ``plan`` (``config.TalkerConfig``): the
+    talker's layers and head once, the code predictor's layers, one head and the projection
+    once per sub-step (num_code_groups - 1). A frame is bound by these bytes, so this over the
+    machine's read bandwidth is the floor of its time (how the profile prices a weight path)."""
+    def layer_bytes(c, stack: str, i: int) -> int:
+        q = c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+                  "gate_up": (2 * c.intermediate_size, c.hidden_size),
+                  "down": (c.hidden_size, c.intermediate_size)}
+        return sum(product_bytes(*shapes[p], plan.kind(stack, i, c.num_hidden_layers, p))
+                   for p in PRODUCTS)
+
+    lm, cp = talker_cfg.lm, talker_cfg.code_predictor
+    talker = sum(layer_bytes(lm, "talker", i) for i in range(lm.num_hidden_layers))
+    talker += product_bytes(lm.vocab_size, lm.hidden_size, plan.head("talker"))
+    sub = sum(layer_bytes(cp, "cp", i) for i in range(cp.num_hidden_layers))
+    sub += product_bytes(cp.vocab_size, cp.hidden_size, plan.head("cp"))
+    if cp.hidden_size != lm.hidden_size:  # the talker-to-code-predictor projection
+        sub += product_bytes(cp.hidden_size, lm.hidden_size, plan.head("cp"))
+    return talker + (talker_cfg.num_code_groups - 1) * sub
+
+
 class NativeStack:
     """A decoder stack (``DecoderStack``) packed for the runtime, over the engine's KV cache.
     Low-bit kinds take each layer's norm outliers into their weights (``smoothing``)."""
 
     def __init__(self, stack: nn.Module, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 kind: str, packs: PackCache | None = None, smooth: bool = True) -> None:
+                 kind, packs: PackCache | None = None, smooth: bool = True) -> None:
+        """``kind``: one kind for every product, or ``fn(layer, product) -> kind``."""
+        kind_of = kind if callable(kind) else (lambda _i, _p, k=kind: k)
         cfg = stack.cfg
         if cfg.head_dim % 16:
             raise ValueError(f"the CPU runtime needs head_dim % 16 == 0, got {cfg.head_dim}")
@@ -507,16 +628,20 @@ class NativeStack:
             qkv_w = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
             gu_w = (m.gate_proj.weight, m.up_proj.weight)
             ln1, ln2 = _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight)
+            kq, ko, kg, kd = (kind_of(i, p) for p in PRODUCTS)
             s1 = s2 = None
-            if smooth and kind != "f32":  # cheap: gains and column maxima only
-                s1, s2 = smoothing(ln1, qkv_w), smoothing(ln2, gu_w)
-                ln1, ln2 = ln1 / s1, ln2 / s2
-            qkv = packs.pack(lambda: _scaled(torch.cat(qkv_w), s1), None, kind,
+            if smooth and kq != "f32":  # cheap: gains and column maxima only
+                s1 = smoothing(ln1, qkv_w)
+                ln1 = ln1 / s1
+            if smooth and kg != "f32":
+                s2 = smoothing(ln2, gu_w)
+                ln2 = ln2 / s2
+            qkv = packs.pack(lambda: _scaled(torch.cat(qkv_w), s1), None, kq,
                              (sum(w.shape[0] for w in qkv_w), qkv_w[0].shape[1]))
-            o = pack_linear(a.o_proj, kind, packs)
-            gu = packs.pack(lambda: _scaled(torch.cat(gu_w), s2), None, kind,
+            o = pack_linear(a.o_proj, ko, packs)
+            gu = packs.pack(lambda: _scaled(torch.cat(gu_w), s2), None, kg,
                             (sum(w.shape[0] for w in gu_w), gu_w[0].shape[1]))
-            down = pack_linear(m.down_proj, kind, packs)
+            down = pack_linear(m.down_proj, kd, packs)
             norms = [ln1, ln2, _f32(a.q_norm.weight), _f32(a.k_norm.weight)]
             self.layers.append((qkv, o, gu, down))
             self.keep += norms
@@ -543,18 +668,15 @@ class NativeStack:
 class NativeRunner:
     """The frame engine's talker step, talker head, prefill and code-predictor frame on the CPU
     runtime (``FrameEngine.use_native``). ``talker_kind`` / ``cp_kind``: weight kind of the
-    talker's and the code predictor's layers (``KINDS``); ``head_kinds``: of the talker's codec
-    head and of the code predictor's heads and projection (None: as the layers); ``smooth``:
-    fold norm outliers into low-bit weights (``smoothing``); ``threads``: the runtime's threads (the caller included);
+    talker's and the code predictor's products (``KINDS``); ``plan``: a ``WeightPlan`` instead
+    (mixed precision per product); ``threads``: the runtime's threads (the caller included);
     ``lent_cpus`` / ``lease``: more threads on another process's cores (``Pool``)."""
 
     def __init__(self, engine, talker_kind: str = "q4", cp_kind: str = "q4",
                  threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
                  lease: CoreLease | None = None, pack_cache: Path | None = None,
-                 head_kinds: tuple[str | None, str | None] = (None, None),
-                 smooth: bool = True) -> None:
-        self.head_kinds = (head_kinds[0] or talker_kind, head_kinds[1] or cp_kind)
-        self.smooth = smooth
+                 plan: WeightPlan | None = None) -> None:
+        self.plan = plan or WeightPlan(talker_kind, cp_kind)
         self.lib = _lib()
         self.pool = Pool(threads or torch.get_num_threads(), self.lib, lent_cpus=lent_cpus,
                          lease=lease)
@@ -582,17 +704,20 @@ class NativeRunner:
             talker_vocab=engine.cfg.lm.vocab_size, cp_vocab=engine.codebook_size, groups=g,
             cos_tab=self.cp_rope[0].data_ptr(), sin_tab=self.cp_rope[1].data_ptr())
         self.engine = engine
-        self.kinds = (talker_kind, cp_kind)
+        self.kinds = (self.plan.talker, self.plan.cp)
 
     def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache) -> None:
         t, cp = engine.talker, engine.talker.code_predictor
-        head, cp_head = self.head_kinds
-        self.talker = NativeStack(t.model, engine.kv.layers, talker_kind, packs, self.smooth)
-        self.head = pack_linear(t.codec_head, head, packs)
-        self.cp = NativeStack(cp.model, engine.cp_kv.layers, cp_kind, packs, self.smooth)
-        self.cp_heads = [pack_linear(h, cp_head, packs) for h in cp.lm_head]
+        plan = self.plan
+        nt, nc = len(t.model.layers), len(cp.model.layers)
+        self.talker = NativeStack(t.model, engine.kv.layers,
+                                  lambda i, p: plan.kind("talker", i, nt, p), packs, plan.smooth)
+        self.head = pack_linear(t.codec_head, plan.head("talker"), packs)
+        self.cp = NativeStack(cp.model, engine.cp_kv.layers,
+                              lambda i, p: plan.kind("cp", i, nc, p), packs, plan.smooth)
+        self.cp_heads = [pack_linear(h, plan.head("cp"), packs) for h in cp.lm_head]
         proj = cp.small_to_mtp_projection
-        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, cp_head, packs)
+        self.proj = None if isinstance(proj, nn.Identity) else pack_linear(proj, plan.head("cp"), packs)
         if packs.loaded is not None and packs.i != len(packs.loaded):
             log.warning("the pack cache %s holds more products than this model: packing afresh",
                         packs.path)

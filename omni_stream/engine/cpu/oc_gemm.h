@@ -1,4 +1,4 @@
-// Low-bit and exact products (q4 / q5 / q6 / q8 on VPDPBUSD, f32) of the CPU runtime.
+// Low-bit and exact products (q4 / q5 / q6 / q8 / q8g on VPDPBUSD, f32) of the CPU runtime.
 // Part of omni_cpu.cpp (one translation unit); see there for the overview.
 #pragma once
 #include "oc_pool.h"
@@ -109,8 +109,11 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
 //       nibble) or of byte p - 32 (high nibble) (640 bytes per group).
 // One step reads its bytes (one sequential stream) and unpacks 4 VPDPBUSD operands of unsigned
 // 5- or 6-bit weights; the scales and the epilogue are q4's.
+// q8g (BITS 8): unsigned bytes with the group's scale and offset, in the q8 layout (one vector
+// per k-quad, 4 per step; 1024 bytes per group): heavy-tailed rows lose less to a per-group
+// range than to a per-row one.
 template <int BITS>
-constexpr int step_bytes() { return BITS == 6 ? 192 : 160; }
+constexpr int step_bytes() { return BITS == 8 ? 256 : BITS == 6 ? 192 : 160; }
 
 template <int MT, int BITS>
 void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int nb,
@@ -133,18 +136,26 @@ void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32
       _mm_prefetch((const char*)(tp + OC_PF), _MM_HINT_T0);
       _mm_prefetch((const char*)(tp + OC_PF + 64), _MM_HINT_T0);
       _mm_prefetch((const char*)(tp + OC_PF + 128), _MM_HINT_T0);
+      if constexpr (BITS == 8) _mm_prefetch((const char*)(tp + OC_PF + 192), _MM_HINT_T0);
       __m512i r0 = _mm512_loadu_si512((const void*)tp);
       __m512i r1 = _mm512_loadu_si512((const void*)(tp + 64));
-      __m512i n0 = _mm512_and_si512(r0, lo4), n1 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
-      __m512i n2 = _mm512_and_si512(r1, lo4), n3 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
       __m512i w0, w1, w2, w3;
-      if constexpr (BITS == 6) {
+      if constexpr (BITS == 8) {
+        w0 = r0;
+        w1 = r1;
+        w2 = _mm512_loadu_si512((const void*)(tp + 128));
+        w3 = _mm512_loadu_si512((const void*)(tp + 192));
+      } else if constexpr (BITS == 6) {
+        __m512i n0 = _mm512_and_si512(r0, lo4), n1 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        __m512i n2 = _mm512_and_si512(r1, lo4), n3 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
         __m512i c = _mm512_loadu_si512((const void*)(tp + 128));
         w0 = _mm512_or_si512(n0, _mm512_and_si512(_mm512_slli_epi16(c, 4), top));
         w1 = _mm512_or_si512(n1, _mm512_and_si512(_mm512_slli_epi16(c, 2), top));
         w2 = _mm512_or_si512(n2, _mm512_and_si512(c, top));
         w3 = _mm512_or_si512(n3, _mm512_and_si512(_mm512_srli_epi16(c, 2), top));
       } else {
+        __m512i n0 = _mm512_and_si512(r0, lo4), n1 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
+        __m512i n2 = _mm512_and_si512(r1, lo4), n3 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
         __m256i b = _mm256_loadu_si256((const __m256i*)(tp + 128));
         const __m256i m4 = _mm256_set1_epi8(0x0F);
         __m512i e = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m4)),
@@ -308,8 +319,8 @@ void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const i
     for (int64_t n = n0; n < n1; n++) {
       int64_t nb = n / 16, row = n % 16;
       double acc = 0;
-      if (L.kind == 3 || L.kind == 4) {  // q6, q5 (layouts above q56_block)
-        const int ng = k / 64, sbytes = L.kind == 3 ? 192 : 160;
+      if (L.kind == 3 || L.kind == 4 || L.kind == 5) {  // q6, q5, q8g (layouts above q56_block)
+        const int ng = k / 64, sbytes = L.kind == 3 ? 192 : L.kind == 4 ? 160 : 256;
         for (int j = 0; j < ng; j++) {
           const uint8_t* wp = L.w + (nb * ng + j) * 4 * sbytes;
           int32_t s = 0;
@@ -318,7 +329,9 @@ void lowbit_scalar(const OcLinear& L, const int8_t* x8, const float* xs, const i
             const uint8_t* tp = wp + (kq / 4) * sbytes;
             uint8_t nib = tp[((kq / 2) % 2) * 64 + pos];
             int q = (kq % 2 == 0) ? (nib & 15) : (nib >> 4);
-            if (L.kind == 3)
+            if (L.kind == 5)
+              q = tp[u * 64 + pos];
+            else if (L.kind == 3)
               q |= ((tp[128 + pos] >> (2 * u)) & 3) << 4;
             else
               q |= ((tp[128 + pos % 32] >> ((pos < 32 ? 0 : 4) + u)) & 1) << 4;
@@ -430,12 +443,14 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
           const int8_t* xr = s.x8.data() + (int64_t)r0 * L.k;
           const float* xsr = s.xs.data() + r0;
           float* yr = y + (int64_t)r0 * L.n;
-          if (L.kind == 3 || L.kind == 4) {
+          if (L.kind == 3 || L.kind == 4 || L.kind == 5) {
             const int32_t* gs = s.gsum.data() + (int64_t)r0 * (L.k / g);
             if (L.kind == 3)
               q56_dispatch<6>(mt, L, xr, xsr, gs, nb, yr);
-            else
+            else if (L.kind == 4)
               q56_dispatch<5>(mt, L, xr, xsr, gs, nb, yr);
+            else
+              q56_dispatch<8>(mt, L, xr, xsr, gs, nb, yr);
           } else if (L.kind == 0) {
             const int32_t* gs = s.gsum.data() + (int64_t)r0 * (L.k / g);
             switch (mt) {

@@ -6,9 +6,9 @@
 extern "C" {
 
 struct OcLinear {
-  int32_t kind, n, k, group;  // kind 0 q4, 1 q8, 2 f32, 3 q6, 4 q5
+  int32_t kind, n, k, group;  // kind 0 q4, 1 q8, 2 f32, 3 q6, 4 q5, 5 q8g
   const uint8_t* w;
-  const uint16_t* scales;     // q4, q5, q6
+  const uint16_t* scales;     // q4, q5, q6, q8g
   const float* row_scale;     // q8
   const int32_t* row_sum;     // q8
   const float* wf;            // f32 [n][k]

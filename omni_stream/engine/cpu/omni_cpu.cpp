@@ -14,6 +14,7 @@
 //   q4: unsigned nibbles q with a per-(row, group) fp16 scale s and offset m: w = q s + m;
 //       sum w x = xs (s sum q x8 + m sum x8) per group.
 //   q6 / q5: as q4 with 6- / 5-bit q (the nibble plus the top bits, beside it per 16 inputs).
+//   q8g: as q4 with 8-bit q (unsigned bytes, the group's scale and offset), in q8's layout.
 //   q8: signed bytes with a per-row scale; activations as the unsigned operand x8 + 128, and
 //       the 128 sum w term removed with the row sums.
 //   f32: exact fp32 weights.
