@@ -231,9 +231,62 @@ def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
         return prof, {k: "user" if k in user else "calibration" if k in calib else "default"
                       for k in FIELDS}
     cfg = read_config(path)
-    return build_profile(hw or load_profile(), model_bytes=_model_bytes(path),
+    hw = hw or load_profile()
+    bandwidth, frame_bytes = _weight_path_pricing(hw, cfg)
+    return build_profile(hw, model_bytes=_model_bytes(path),
                          kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
-                         calibration=calibration, user=user)
+                         calibration=calibration, user=user, bandwidth_gbs=bandwidth,
+                         frame_bytes=frame_bytes)
+
+
+BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
+
+
+def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
+    """(read bandwidth, weight bytes per frame of each native weight path) for the profile to
+    price weight paths with (``edge.adapt.priced_weight_path``). The bandwidth is
+    ``OMNI_STREAM_BANDWIDTH_GBS`` if set, else measured now on every core the talker may use
+    (a second), once per process; None where the hardware is an override describing another
+    machine (nothing here to measure)."""
+    import os
+
+    from omni_stream.engine.cpu.native import frame_weight_bytes
+    from omni_stream.engine.loading import NATIVE_PLANS
+
+    frame_bytes = {wp: frame_weight_bytes(cfg.talker, plan) for wp, plan in NATIVE_PLANS.items()
+                   if wp in LOW_BIT_WEIGHT_PATHS}
+    env = os.environ.get(BANDWIDTH_ENV, "").strip()
+    if env:
+        try:
+            bw = float(env)
+        except ValueError:
+            raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: give the read bandwidth in GB/s, e.g. 17.5")
+        if not bw > 0 or bw == float("inf"):
+            raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: the bandwidth must be a finite number > 0")
+        return bw, frame_bytes
+    if hw.source != "probe":
+        return None, frame_bytes
+    from omni_stream.edge import adapt
+
+    bw = _measured_bandwidth(min(hw.physical_cores, adapt.MAX_STAGE_THREADS))
+    log.info("weight paths priced at %.1f GB/s: %s per frame (real time: <= %.0f ms)", bw,
+             ", ".join(f"{wp} {b / (bw * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
+                       for wp, b in frame_bytes.items()),
+             adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
+    return bw, frame_bytes
+
+
+_BANDWIDTH: dict[int, float] = {}
+
+
+def _measured_bandwidth(threads: int) -> float:
+    from omni_stream.edge.measure import memory_bandwidth_gbs
+
+    if threads not in _BANDWIDTH:
+        _BANDWIDTH[threads] = memory_bandwidth_gbs(threads)
+        log.info("memory read bandwidth %.1f GB/s on %d threads (prices the weight paths)",
+                 _BANDWIDTH[threads], threads)
+    return _BANDWIDTH[threads]
 
 
 def _settings(a: argparse.Namespace, path, prof, sources):
@@ -331,11 +384,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
     user = json.loads(a.set) if a.set else None
 
     model_bytes = _model_bytes(path)
+    bandwidth, frame_bytes = _weight_path_pricing(hw, cfg)
 
     def build(calibration):
         return build_profile(hw, model_bytes=model_bytes,
                              kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
-                             calibration=calibration, user=user)
+                             calibration=calibration, user=user, bandwidth_gbs=bandwidth,
+                             frame_bytes=frame_bytes)
 
     found: list = []
     prof, sources, settings, calib = _with_calibration(a, path, build, found)

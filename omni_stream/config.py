@@ -305,8 +305,11 @@ class ModelConfig:
         )
 
 
-# Talker/code-predictor weight storage (models.quant). The low-bit ones compute in bf16 on CPU.
-WEIGHT_PATHS = ("bf16", "fp32", "int8", "int4")
+# Talker/code-predictor weight storage (engine.quant for the torch engine, engine/cpu for the
+# native one), most faithful first. The low-bit ones compute in bf16 on CPU; int6, int5 and
+# mixed (a kind per tensor class: engine.loading.NATIVE_PLANS) exist on the native runtime only.
+WEIGHT_PATHS = ("bf16", "fp32", "int8", "mixed", "int6", "int5", "int4")
+NATIVE_ONLY_WEIGHT_PATHS = ("mixed", "int6", "int5")
 # what runs the decode step: torch ops, or the CPU runtime (omni_stream/engine/cpu)
 ENGINES = ("torch", "native")
 
@@ -320,7 +323,7 @@ def check_engine(engine: str, device: str, compile: bool = False) -> None:
     if engine == "native" and compile:
         raise ValueError("compile (torch.compile) applies to engine 'torch'; the native engine "
                          "is compiled C++ already: drop --compile or use --engine torch")
-LOW_BIT_WEIGHT_PATHS = ("int8", "int4")
+LOW_BIT_WEIGHT_PATHS = ("int8", "mixed", "int6", "int5", "int4")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

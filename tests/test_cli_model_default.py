@@ -74,8 +74,16 @@ def _export_step(default_model, tmp_path, capsys, monkeypatch):
     assert m.source_checkpoint == str(default_model.resolve()) and m.step.context == 16
 
 
+def _fidelity(default_model, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "fidelity.json"
+    assert main(["fidelity", "--model", "default", "--weight-path", "int8", "--frames", "2",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["weight_path"] for r in rows] == ["int8"]
+
+
 RUNS = {"synthesize": _synthesize, "serve": _serve, "profile": _profile,
-        "export-decoder": _export_decoder, "export-step": _export_step}
+        "export-decoder": _export_decoder, "export-step": _export_step, "fidelity": _fidelity}
 
 
 def _model_commands() -> dict[str, argparse.Action]:

@@ -206,13 +206,23 @@ def test_format_profile_table_has_every_field_and_source():
     json.dumps(profile_to_dict(p))
 
 
-def test_profile_notes_say_what_bf16_decoding_and_int4_cost():
-    """A CPU profile decoding in bf16 says how far Code2Wav's audio is from fp32, int4 says what
-    it costs the talker; exact settings carry no note."""
+def test_profile_notes_say_what_bf16_decoding_and_each_weight_path_cost():
+    """A CPU profile decoding in bf16 says how far Code2Wav's audio is from fp32; a low-bit
+    weight path prints its measured fidelity, and one below the faithful floor (int4) says
+    what that costs and the fix; exact settings carry no note."""
+    from omni_stream.edge.adapt import FAITHFUL_DB, PATH_FIDELITY
+
     bf16 = format_profile(DeployProfile(dtype="bfloat16", weight_path="int4"), {})
     assert "Code2Wav decodes in bf16" in bf16 and "weight_path int4" in bf16
     assert "code2wav_precision.json" in bf16 and "--dtype fp32" in bf16
     assert "note:" not in format_profile(DeployProfile(), {})
+    for (engine, wp), fid in PATH_FIDELITY.items():
+        text = format_profile(DeployProfile(dtype="bfloat16", weight_path=wp, engine=engine), {})
+        assert f"weight_path {wp} ({engine} engine)" in text and f"{fid['talker']:.0f}" in text
+        assert ("Below" in text) == (min(v for v in fid.values() if v is not None) < FAITHFUL_DB)
+        assert "omni-stream fidelity" in text
+    assert "Below" in format_profile(DeployProfile(dtype="bfloat16", weight_path="int4",
+                                                   engine="native"), {})
 
 
 def test_profile_validation():

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from omni_stream.config import LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS, check_engine
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS, NATIVE_ONLY_WEIGHT_PATHS, WEIGHT_PATHS, check_engine
 from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
 
@@ -55,6 +55,34 @@ LOWBIT_ISA = frozenset({"avx512_bf16", "amx_bf16"})
 # the native CPU runtime's fast kernels (engine/cpu): AVX-512 with VNNI dot products and F16C
 NATIVE_ISA = frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c"})
 LOWBIT_MIN_MODEL_BYTES = 512 << 20
+# Weight paths priced by the measured read bandwidth (priced_weight_path), most faithful first
+# (teacher-forced against fp32, benchmarks/tts/results/cpu_engine_bench.md). A frame's time is
+# about its weight bytes over NATIVE_READ_EFFICIENCY of the bandwidth that torch.sum measures
+# (the native kernels' frames read at 0.85-1.03x of it on 2 threads of the AMD EPYC, same
+# benchmark; q8 up to 1.2x, q4 at 1 thread 0.8x); the talker and code
+# predictor may take REALTIME_MODEL_SHARE of each 80 ms frame, the rest is the codec's share of
+# the lent core, scheduling and the margin that keeps one stream at RTF <= 0.8.
+# Ranked by the worst of the four figures of PATH_FIDELITY: mixed (22.7 dB) is ahead of int8
+# (21.3: its per-row scales lose to heavy tails) and reads fewer bytes, so int8 is never priced
+# in; it stays selectable.
+NATIVE_PATHS_BY_FIDELITY = ("mixed", "int8", "int6", "int5", "int4")
+# (engine, weight path): talker and code-predictor logits SNR (dB) from fp32, teacher-forced on
+# the random 0.6B checkpoints, plain and with outlier channels (make-checkpoint --outliers):
+# benchmarks/tts/results/cpu_engine_bench.md (the torch engine's rows: talker only, the run of
+# that file before the code predictor was measured). Printed at start-up with the path.
+PATH_FIDELITY = {
+    ("native", "mixed"): dict(talker=25.9, cp=24.8, talker_outliers=24.0, cp_outliers=22.7),
+    ("native", "int8"): dict(talker=27.5, cp=27.9, talker_outliers=21.3, cp_outliers=22.7),
+    ("native", "int6"): dict(talker=21.2, cp=22.3, talker_outliers=17.9, cp_outliers=19.8),
+    ("native", "int5"): dict(talker=14.8, cp=16.5, talker_outliers=11.8, cp_outliers=14.2),
+    ("native", "int4"): dict(talker=9.5, cp=10.9, talker_outliers=6.2, cp_outliers=8.1),
+    ("torch", "int8"): dict(talker=28.6),
+    ("torch", "int4"): dict(talker=9.4),
+}
+FAITHFUL_DB = 20.0  # the floor of the default (talker and code-predictor logits, both checkpoints)
+NATIVE_READ_EFFICIENCY = 1.0
+REALTIME_MODEL_SHARE = 0.6
+FRAME_S = 0.08
 SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
 MAX_STAGE_THREADS = 8  # per-frame GEMMs are tiny (batch = streams); more threads only sync
 # Memory usable for weights + KV when no free figure is given: the rest is the OS, activations,
@@ -63,7 +91,8 @@ HOST_MEMORY_SHARE = 0.75
 GPU_MEMORY_SHARE = 0.9
 KV_HEADROOM = 0.9
 # model_bytes / kv_bytes_per_token are priced at 2 bytes per element (bf16, the released dtype).
-WEIGHT_SCALE = {"bf16": 1.0, "fp32": 2.0, "int8": 0.5, "int4": 0.25}
+WEIGHT_SCALE = {"bf16": 1.0, "fp32": 2.0, "int8": 0.5, "mixed": 0.4, "int6": 0.41, "int5": 0.35,
+                "int4": 0.28}
 DTYPE_SCALE = {"bfloat16": 1.0, "float32": 2.0}
 MiB = 1 << 20
 
@@ -126,6 +155,9 @@ class DeployProfile:
             if self.dtype != "bfloat16":
                 raise ValueError(f"weight_path {self.weight_path!r} computes in bf16: set dtype "
                                  "'bfloat16' (or weight_path 'fp32')")
+        if self.weight_path in NATIVE_ONLY_WEIGHT_PATHS and self.engine != "native":
+            raise ValueError(f"weight_path {self.weight_path!r} runs on the native CPU runtime "
+                             "only: set engine 'native' (or weight_path 'int8' / 'int4')")
         if not _is_number(self.queue_timeout_s) or self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
         if self.kv_budget_mb is not None and (not _is_number(self.kv_budget_mb)
@@ -241,16 +273,34 @@ def _ordered_cpus(hw: HardwareProfile) -> list[int]:
     return [c for ids, _ in hw.clusters for c in ids]  # big cluster first
 
 
+def priced_weight_path(frame_bytes: Mapping[str, int], bandwidth_gbs: float) -> str:
+    """The most faithful native weight path whose frame fits the real-time budget at this read
+    bandwidth: a frame reads ``frame_bytes[path]`` (``engine.cpu.native.frame_weight_bytes``)
+    at ``NATIVE_READ_EFFICIENCY`` of the measured bandwidth and may take
+    ``REALTIME_MODEL_SHARE`` of its 80 ms; the fastest path (int4) when none fits."""
+    budget_s = REALTIME_MODEL_SHARE * FRAME_S
+    for wp in NATIVE_PATHS_BY_FIDELITY:
+        if wp in frame_bytes and frame_bytes[wp] / (bandwidth_gbs * 1e9 * NATIVE_READ_EFFICIENCY) <= budget_s:
+            return wp
+    return NATIVE_PATHS_BY_FIDELITY[-1]
+
+
 def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
-                       fidelity_first: bool = False, dtype_user: str | None = None) -> str:
+                       fidelity_first: bool = False, dtype_user: str | None = None,
+                       bandwidth_gbs: float | None = None,
+                       frame_bytes: Mapping[str, int] | None = None) -> str:
     """Low-bit weights where their kernels run natively and the model is big enough to be bound
-    by weight bytes: int4 on small CPUs (<= SMALL_CPU_CORES cores, where speed is what is
-    missing), int8 on bigger ones; unless fidelity comes first (or the user asked for fp32
-    compute). Otherwise the exact weights of the compute dtype."""
+    by weight bytes; unless fidelity comes first (or the user asked for fp32 compute), in which
+    case the exact weights of the compute dtype. With the native runtime's kernels and the
+    machine's measured read bandwidth, priced by bytes per frame (``priced_weight_path``: the
+    most faithful path that is real time here); without a measurement, int4 on small CPUs
+    (<= SMALL_CPU_CORES cores, where speed is what is missing) and int8 on bigger ones."""
     bf16 = device == "cuda" or _bf16_native(hw)
     exact = "bf16" if bf16 and dtype_user != "float32" else "fp32"
     if (device == "cpu" and not fidelity_first and dtype_user != "float32"
             and hw.isa & LOWBIT_ISA and model_bytes >= LOWBIT_MIN_MODEL_BYTES):
+        if NATIVE_ISA <= hw.isa and bandwidth_gbs and bandwidth_gbs > 0 and frame_bytes:
+            return priced_weight_path(frame_bytes, bandwidth_gbs)
         return "int4" if hw.physical_cores <= SMALL_CPU_CORES else "int8"
     return exact
 
@@ -329,17 +379,21 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     on_gpu = hw.hardware_class in CUDA_CLASSES and inputs.get("device_user") != "cpu"
     device = "cuda" if on_gpu else "cpu"
     bf16 = on_gpu or _bf16_native(hw)
+    engine = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
+              and not inputs.get("compile") else "torch")
+    native = (inputs.get("engine_user") or engine) == "native"
     out: dict[str, Any] = {
         "device": device,
         "dtype": "bfloat16" if bf16 else "float32",
         "weight_path": derive_weight_path(hw, device, model_bytes=model_bytes,
                                           fidelity_first=bool(inputs.get("fidelity_first")),
-                                          dtype_user=inputs.get("dtype_user")),
+                                          dtype_user=inputs.get("dtype_user"),
+                                          bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
+                                          frame_bytes=inputs.get("frame_bytes")),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
+        "engine": engine,
     }
-    out["engine"] = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
-                     and not inputs.get("compile") else "torch")
     placement = inputs.get("placement_user") or out["placement"]
     out["cuda_graphs"] = on_gpu and placement == "together"  # the talker stage graphs the step
     threads = derive_threads(hw, device, placement)
@@ -365,7 +419,8 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
 def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: int,
                   calibration: Mapping[str, Any] | Any | None = None,
                   user: Mapping[str, Any] | None = None, class_dir: str | Path | None = None,
-                  free_memory_bytes: int | None = None
+                  free_memory_bytes: int | None = None, bandwidth_gbs: float | None = None,
+                  frame_bytes: Mapping[str, int] | None = None
                   ) -> tuple[DeployProfile, dict[str, str]]:
     """The effective profile and, per field, the layer its value came from.
 
@@ -388,6 +443,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
               "fidelity_first": pre.get("fidelity_first", False), "compile": pre.get("compile"),
               "engine_user": user.get("engine"), "cpu_sets_user": user.get("cpu_sets"),
               "kv_budget_mb_user": user.get("kv_budget_mb"),
+              "bandwidth_gbs": bandwidth_gbs, "frame_bytes": frame_bytes,
               "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,
                                      kv_bytes_per_token=kv_bytes_per_token,
@@ -439,13 +495,25 @@ def profile_notes(profile: DeployProfile) -> list[str]:
                      "results/code2wav_dtype_bench.json), most of that core's 80 ms, leaving "
                      "the language models none of it. --dtype fp32 for an exact decode at lower "
                      "speed.")
-    if profile.weight_path == "int4":
-        notes.append("weight_path int4 is the fastest path here, and the least faithful: its "
-                     "talker logits are ~8-10 dB from fp32 against ~27-29 dB for int8 "
-                     "(teacher-forced, random 0.6B weights: benchmarks/tts/results/"
-                     "cpu_engine_bench.md); int8 is not real time on a CPU this small. "
-                     "--weight-path int8 for fidelity at lower speed, --fidelity-first for exact "
-                     "weights.")
+    fid = PATH_FIDELITY.get((profile.engine, profile.weight_path))
+    if fid is not None:
+        def figs(tag: str) -> str:
+            cp = fid.get("cp" + tag)
+            return f"{fid['talker' + tag]:.0f}" + ("" if cp is None else f" / {cp:.0f}")
+
+        outliers = f"; {figs('_outliers')} dB with outlier channels" if "talker_outliers" in fid else ""
+        low = min(v for v in fid.values() if v is not None) < FAITHFUL_DB
+        notes.append(
+            f"weight_path {profile.weight_path} ({profile.engine} engine): talker"
+            + (" / code-predictor" if fid.get("cp") is not None else "")
+            + f" logits {figs('')} dB from fp32{outliers} (teacher-forced, random 0.6B weights: "
+            "benchmarks/tts/results/cpu_engine_bench.md). "
+            + (f"Below {FAITHFUL_DB:.0f} dB the codes part from the model's (words and voice "
+               "change): the fastest path, the one picked where no more faithful one is real "
+               "time at the machine's read bandwidth; --weight-path mixed (or int8) for "
+               "fidelity at lower speed, --fidelity-first for exact weights. "
+               if low else "")
+            + "omni-stream fidelity --model DIR measures your checkpoint.")
     return notes
 
 

@@ -11,10 +11,26 @@ from omni_stream.checkpoints import io
 from omni_stream.checkpoints.io import LoadedModel
 from omni_stream.config import check_engine
 from omni_stream.engine import quant
+from omni_stream.engine.cpu.native import WeightPlan
 
-# the CPU runtime's product kinds (talker, code predictor) for each weight path
-NATIVE_KINDS = {"int4": ("q4", "q4"), "int8": ("q8", "q8"), "bf16": ("f32", "f32"),
-                "fp32": ("f32", "f32"), None: ("f32", "f32")}
+# The CPU runtime's weight plan (kind of every product) for each weight path. "mixed" spends
+# the bytes where the teacher-forced error comes from. Measured on random 0.6B weights, one
+# tensor class or third of the layers at a time at 4 bits, the rest exact (logits SNR of the
+# stack: benchmarks/tts/results/weight_sensitivity.md): talker q|k|v 14.0 dB, o 13.6, gate|up
+# 17.7, down 21.1, first third of the layers 10.7, second 19.2, last 21.2, codec head 21.2 (3 M
+# weights); code predictor q|k|v 14.4, o 15.9, gate|up 19.4, down 22.4, thirds 12.4 / 18.2 /
+# 23.5, heads 21.3. Per weight the attention products, the early layers and the heads weigh
+# 5-10x the later MLPs, so they get 2-3 more bits: 8 for the first third of every stack and the
+# heads, 8 (talker) / 6 (code predictor, read 15 times a frame) for the attention, 5 for the
+# rest. The 8-bit parts take q8g (per-group scale and offset), which keeps heavy-tailed rows
+# ~8 dB closer than q8's per-row scale for 6 % more bytes.
+NATIVE_PLANS = {
+    "int4": WeightPlan("q4", "q4"), "int5": WeightPlan("q5", "q5"),
+    "int6": WeightPlan("q6", "q6"), "int8": WeightPlan("q8", "q8"),
+    "mixed": WeightPlan("q5", "q5", talker_attention="q8g", cp_attention="q6",
+                        early=(1 / 3, "q8g"), talker_head="q8g", cp_head="q8g"),
+    "bf16": WeightPlan("f32", "f32"), "fp32": WeightPlan("f32", "f32"),
+    None: WeightPlan("f32", "f32")}
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -52,7 +68,7 @@ def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:
     from omni_stream.engine.cpu import native
 
     root = Path(model_path).resolve()
-    parts = [str(root), str(NATIVE_KINDS[weight_path]), Path(native.__file__).read_text()]
+    parts = [str(root), str(NATIVE_PLANS[weight_path].as_dict()), Path(native.__file__).read_text()]
     for f in sorted(root.glob("*.safetensors")):
         st = f.stat()
         parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
@@ -68,7 +84,7 @@ def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: i
     loads them."""
     if engine == "native":
         cache = pack_cache_path(model_path, weight_path) if model_path is not None else None
-        frame_engine.use_native(*NATIVE_KINDS[weight_path], threads=threads, lent_cpus=lent_cpus,
+        frame_engine.use_native(plan=NATIVE_PLANS[weight_path], threads=threads, lent_cpus=lent_cpus,
                                 lease=lease, pack_cache=cache)
     elif lent_cpus:
         raise ValueError("lent cores need the native engine")

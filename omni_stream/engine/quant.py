@@ -23,7 +23,10 @@ import torch
 from torch import nn
 
 from omni_stream.config import LOW_BIT_WEIGHT_PATHS as QUANTIZED
+from omni_stream.config import NATIVE_ONLY_WEIGHT_PATHS as NATIVE_ONLY
 from omni_stream.config import WEIGHT_PATHS
+
+QUANTIZED_TORCH = tuple(p for p in QUANTIZED if p not in NATIVE_ONLY)  # int8, int4
 DEFAULT_GROUP = 32  # same speed as 64/128 here (bench: int4 3072x1024 ~110 us at 32/64/128)
 
 
@@ -32,8 +35,8 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, mode: str, group_size: int = DEFAULT_GROUP) -> None:
         super().__init__()
-        if mode not in QUANTIZED:
-            raise ValueError(f"unknown quantized weight path {mode!r}: use one of {', '.join(QUANTIZED)}")
+        if mode not in QUANTIZED_TORCH:
+            raise ValueError(f"unknown quantized weight path {mode!r}: use one of {', '.join(QUANTIZED_TORCH)}")
         w = linear.weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.mode = mode
@@ -96,10 +99,13 @@ def _int4_group(k: int, group_size: int) -> int:
                      "use weight path int8")
 
 
-def check_supported(mode: str, device: torch.device | str = "cpu") -> None:
+def check_supported(mode: str, device: torch.device | str = "cpu", engine: str = "torch") -> None:
     """Fail early, with the fix, where the quantized kernels are not available."""
     if mode not in WEIGHT_PATHS:
         raise ValueError(f"unknown weight path {mode!r}: use one of {', '.join(WEIGHT_PATHS)}")
+    if mode in NATIVE_ONLY and engine != "native":
+        raise ValueError(f"weight path {mode} runs on the native CPU runtime only (--engine "
+                         f"native); the torch engine has {', '.join(QUANTIZED_TORCH)}")
     if mode in QUANTIZED and torch.device(device).type != "cpu":
         raise ValueError(f"weight path {mode} is a CPU path; on {torch.device(device).type} use bf16")
 

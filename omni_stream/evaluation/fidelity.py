@@ -154,15 +154,15 @@ def _one(ref: Synthesizer, test: Synthesizer, req: PromptRequest, frames: int, c
 def engine_paths(engine: str, device: str = "cpu") -> list[str]:
     """The weight paths ``engine`` runs on ``device`` (WEIGHT_PATHS order)."""
     from omni_stream.engine import quant
-    from omni_stream.engine.loading import NATIVE_KINDS
+    from omni_stream.engine.loading import NATIVE_PLANS
 
     out = []
     for wp in WEIGHT_PATHS:
         try:
-            quant.check_supported(wp, device)
+            quant.check_supported(wp, device, engine)
         except ValueError:
             continue
-        if engine == "native" and wp not in NATIVE_KINDS:
+        if engine == "native" and wp not in NATIVE_PLANS:
             continue
         out.append(wp)
     return out
