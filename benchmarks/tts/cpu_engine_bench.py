@@ -1,24 +1,27 @@
-"""CPU decode-step runtimes side by side: speed of the talker step and the code predictor, and
-fidelity against the fp32 reference, on the same checkpoint and machine, in one run.
+"""The weight paths' fidelity/speed frontier: every path of the CPU decode step side by side,
+speed and fidelity against the fp32 reference, on the same machine in one run.
 
-Candidates (each in a fresh process, so threads and caches do not leak between them):
-  torch-bf16   the exact torch step in bf16 (eager)
-  torch-int8   torch's packed int8 weights, bf16 activations (engine.quant)
-  torch-int4   torch's packed 4-bit weights, bf16 activations (engine.quant)
-  native-q4    the CPU runtime (engine/cpu): 4-bit weights, int8 activations, VNNI
-  native-q8    the CPU runtime: 8-bit weights, int8 activations
-  native-f32   the CPU runtime with exact fp32 weights
-For each: the talker step (28 layers + head + draw, the code predictor's answer fixed) and the
+Candidates (each timed in a fresh process, so threads and caches do not leak between them):
+  native-int4 / -int5 / -int6 / -int8   the CPU runtime (engine/cpu), 4- to 8-bit weights on
+                int8 activations, norm outliers folded into the weights (engine.cpu.native)
+  native-mixed  a kind per tensor class (engine.loading.NATIVE_PLANS): 8 bits where the error
+                comes from (attention, the first third of the layers, the heads), 5 elsewhere
+  native-f32    the CPU runtime with exact fp32 weights
+  torch-bf16    the exact torch step in bf16 (the yardstick of rounding alone)
+  torch-int8 / torch-int4   torch's packed kernels (engine.quant), on request (--paths)
+Speed: the talker step (28 layers + head + draw, the code predictor's answer fixed) and the
 code predictor's whole frame (15 sub-steps with their draws), at batch 1 and 4 and at 1 and 2
-threads, medians over ``--frames``; the weight bytes a frame reads and the effective GB/s.
-Fidelity (teacher-forced over ``--fidelity-frames``, evaluation.fidelity): talker logits SNR,
-codebook-0 agreement and top-5 overlap, code-predictor agreement, against fp32 torch; the
-fp32-vs-bf16 row is the yardstick of rounding alone.
+threads, medians over ``--frames``; the weight bytes a frame reads and the effective GB/s
+beside the machine's measured read bandwidth at the same thread count. Fidelity
+(teacher-forced, ``evaluation.fidelity``, the prompts of ``omni-stream fidelity``) on
+``--model`` and, with ``--outliers-model``, on a ``make-checkpoint --outliers`` checkpoint of
+the same shape: talker logits SNR, code-0 agreement and top-5, code-predictor logits SNR and
+agreement per codebook, audio SNR.
 
-    python benchmarks/tts/cpu_engine_bench.py --model /tmp/ck-06b
+    python benchmarks/tts/cpu_engine_bench.py --model /tmp/ck-06b --outliers-model /tmp/ck-06b-out
 
 Writes benchmarks/tts/results/cpu_engine_bench.{json,md}. Random weights have flat logits, so
-agreement figures are pessimistic next to a trained model's.
+agreement figures are pessimistic next to a trained model's; the SNRs are the figures to read.
 """
 
 from __future__ import annotations
@@ -38,10 +41,14 @@ from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
 PATHS = {  # name: (engine, weight path, dtype)
+    "native-int4": ("native", "int4", "bf16"), "native-int5": ("native", "int5", "bf16"),
+    "native-int6": ("native", "int6", "bf16"), "native-mixed": ("native", "mixed", "bf16"),
+    "native-int8": ("native", "int8", "bf16"), "native-f32": ("native", "fp32", "bf16"),
     "torch-bf16": ("torch", None, "bf16"), "torch-int8": ("torch", "int8", "bf16"),
-    "torch-int4": ("torch", "int4", "bf16"), "native-q4": ("native", "int4", "bf16"),
-    "native-q8": ("native", "int8", "bf16"), "native-f32": ("native", "fp32", "bf16"),
+    "torch-int4": ("torch", "int4", "bf16"),
 }
+DEFAULT_PATHS = ("native-int4", "native-int5", "native-int6", "native-mixed", "native-int8",
+                 "native-f32")
 
 
 def _synth(model: str, name: str, threads: int, slots: int):
@@ -107,25 +114,24 @@ def _frame_bytes(eng) -> int:
 
 
 def fidelity(model: str, names: list[str], frames: int, threads: int) -> list[dict]:
+    """Teacher-forced fidelity of each path (and the bf16 yardstick) against fp32 torch."""
     import torch
 
-    from omni_stream.checkpoints.io import load_model
-    from omni_stream.engine.synthesis import Synthesizer
-    from omni_stream.evaluation.fidelity import teacher_forced
-    from omni_stream.models.prompt import PromptRequest
+    from omni_stream.evaluation.fidelity import load_path, reference, report_row, teacher_forced
 
     torch.set_num_threads(threads)
-    req = PromptRequest(text=TEXT, language="english", speaker="ryan")
-    ref = Synthesizer(load_model(model, dtype=torch.float32), max_seq_len=512)
+    ref, reqs, seq = reference(model, frames)
     rows = []
-    for name in ["torch-bf16 (rounding yardstick)"] + names:
-        key = name.split(" ")[0]
-        test = _synth(model, key, threads, 1)
+    for name in ["torch-bf16"] + [n for n in names if n != "torch-bf16"]:
+        engine, wp, _ = PATHS[name]
+        test = load_path(model, wp or "bf16", engine, threads, max_seq_len=seq)
         t0 = time.perf_counter()
-        f = teacher_forced(ref, test, req, frames)
-        rows.append({"path": name, **f.as_dict(), "seconds": time.perf_counter() - t0})
-        print(f"fidelity {name}: logits SNR {f.logits_snr_db:.1f} dB, code-0 {f.code0_agreement:.2f}, "
-              f"code predictor {f.residual_agreement:.2f}, audio {f.audio_snr_db}", flush=True)
+        f = teacher_forced(ref, test, reqs, frames)
+        rows.append({"path": name, **report_row(wp or "bf16", engine, f),
+                     "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"fidelity {name} ({Path(model).name}): talker {f.logits_snr_db:.1f} dB, code-0 "
+              f"{f.code0_agreement:.2f}, CP {f.cp_logits_snr_db:.1f} dB (agree "
+              f"{f.cp_agreement:.2f}), audio {f.audio_snr_db}", flush=True)
         del test
     return rows
 
@@ -133,10 +139,12 @@ def fidelity(model: str, names: list[str], frames: int, threads: int) -> list[di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS))
+    ap.add_argument("--outliers-model", default=None,
+                    help="a make-checkpoint --outliers checkpoint of the same shape: fidelity on it too")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--frames", type=int, default=12)
-    ap.add_argument("--fidelity-frames", type=int, default=64)
+    ap.add_argument("--fidelity-frames", type=int, default=24, help="per prompt (2 prompts)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_engine_bench.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -164,12 +172,19 @@ def main() -> int:
                   f"{row['cp_frame_ms_b1']:6.1f} ms (sub-step {row['cp_substep_ms_b1']:.2f}), frame "
                   f"{row['frame_ms_b1']:6.1f} ms, {row['gbs_b1']:.1f} GB/s; batch 4 frame "
                   f"{row['frame_ms_b4']:6.1f} ms", flush=True)
-    fid = fidelity(a.model, [n for n in names if n != "torch-bf16"], a.fidelity_frames,
-                   max(int(t) for t in a.threads.split(",")))
+    threads = max(int(t) for t in a.threads.split(","))
+    bw = {str(th): machine.get("bandwidth_gbs_1_thread") if th == 1 else machine.get("bandwidth_gbs")
+          for th in (int(t) for t in a.threads.split(","))}
+    fid = fidelity(a.model, names, a.fidelity_frames, threads)
+    fid_out = (fidelity(a.outliers_model, names, a.fidelity_frames, threads)
+               if a.outliers_model else [])
     import platform
 
-    res = dict(model=a.model, cpu=platform.processor() or _cpu_model(), frames=a.frames,
-               fidelity_frames=a.fidelity_frames, speed=speed, fidelity=fid, machine=machine,
+    res = dict(model=a.model, outliers_model=a.outliers_model,
+               cpu=platform.processor() or _cpu_model(), frames=a.frames,
+               fidelity_frames=a.fidelity_frames, speed=speed, fidelity=fid,
+               fidelity_outliers=fid_out, bandwidth_gbs_by_threads=bw, machine=machine,
+               frontier=frontier(speed, fid, fid_out),
                command="python benchmarks/tts/cpu_engine_bench.py " + " ".join(sys.argv[1:]))
     Path(a.out).write_text(json.dumps(res, indent=1))
     Path(a.out).with_suffix(".md").write_text(markdown(res))
@@ -187,27 +202,79 @@ def _cpu_model() -> str:
     return "unknown"
 
 
-def _fmt(v) -> str:
-    return "" if v is None else f"{v:.3f}"
+def frontier(speed: list[dict], fid: list[dict], fid_out: list[dict]) -> list[dict]:
+    """One row per path: bytes per frame, frame ms at each thread count (batch 1 and 4), and
+    the fidelity figures on both checkpoints, most faithful first."""
+    by = lambda rows: {r["path"]: r for r in rows}  # noqa: E731
+    f, fo = by(fid), by(fid_out)
+    rows = []
+    for name in dict.fromkeys(r["path"] for r in speed):
+        sp = [r for r in speed if r["path"] == name]
+        row = {"path": name, "weight_bytes_per_frame": sp[0]["weight_bytes_per_frame"]}
+        for r in sp:
+            t = r["threads"]
+            row[f"frame_ms_b1_t{t}"] = r["frame_ms_b1"]
+            row[f"frame_ms_b4_t{t}"] = r["frame_ms_b4"]
+            row[f"gbs_b1_t{t}"] = r["gbs_b1"]
+        for tag, src in (("", f), ("_outliers", fo)):
+            x = src.get(name)
+            if x:
+                row[f"talker_logits_snr_db{tag}"] = x["logits_snr_db"]
+                row[f"cp_logits_snr_db{tag}"] = x["cp_logits_snr_db"]
+                row[f"code0_agreement{tag}"] = x["code0_agreement"]
+                row[f"cp_agreement{tag}"] = x["cp_agreement"]
+                row[f"cp_agreement_per_codebook{tag}"] = x["cp_agreement_per_codebook"]
+                row[f"audio_snr_db{tag}"] = x["audio_snr_db"]
+        rows.append(row)
+    return sorted(rows, key=lambda r: -r["weight_bytes_per_frame"])
+
+
+def _db(v) -> str:
+    return "inf" if v is None else f"{v:.1f}"
 
 
 def markdown(res: dict) -> str:
-    fid = {r["path"].split(" ")[0]: r for r in res["fidelity"]}
-    lines = [f"# CPU decode-step runtimes ({res['cpu']})", "",
-             f"Model `{res['model']}`; medians over {res['frames']} frames; fidelity teacher-forced "
-             f"over {res['fidelity_frames']} frames against fp32 torch (the torch-bf16 row is "
-             "rounding alone). Command: `" + res["command"] + "`", "",
-             f"Machine: {(res.get('machine') or {}).get('label', 'not recorded')}", "",
-             "| path | threads | talker b1 ms | CP sub-step b1 ms | frame b1 ms | GB/s b1 | "
-             "frame b4 ms | logits SNR dB | code-0 agree | CP agree |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["speed"]:
-        f = fid.get(r["path"], {})
-        snr = f.get("logits_snr_db")
-        lines.append(f"| {r['path']} | {r['threads']} | {r['talker_ms_b1']:.1f} | "
-                     f"{r['cp_substep_ms_b1']:.2f} | {r['frame_ms_b1']:.1f} | {r['gbs_b1']:.1f} | "
-                     f"{r['frame_ms_b4']:.1f} | {'' if snr is None else f'{snr:.1f}'} | "
-                     f"{_fmt(f.get('code0_agreement'))} | {_fmt(f.get('residual_agreement'))} |")
+    bw = res.get("bandwidth_gbs_by_threads") or {}
+    lines = [f"# Weight paths: fidelity against speed ({res['cpu']})", "",
+             f"Model `{res['model']}`" + (f", outliers model `{res['outliers_model']}`"
+                                           if res.get("outliers_model") else "")
+             + f"; speed medians over {res['frames']} frames; fidelity teacher-forced over 2 "
+             f"prompts x {res['fidelity_frames']} frames against fp32 torch. Command: `"
+             + res["command"] + "`", "",
+             f"Machine: {(res.get('machine') or {}).get('label', 'not recorded')}; read bandwidth "
+             + ", ".join(f"{v} GB/s at {t} thread{'s' if t != '1' else ''}" for t, v in bw.items()),
+             "", "MB: weight bytes one frame reads (talker once, code predictor 15 times). SNRs "
+             "in dB vs fp32 (plain / outliers checkpoint); agree: code-predictor codes, mean over "
+             "the 15 codebooks, and the worst codebook.", ""]
+    threads = sorted({r["threads"] for r in res["speed"]})
+    head = (["path", "MB/frame"] + [f"frame ms b1 {t}t (GB/s)" for t in threads]
+            + [f"frame ms b4 {t}t" for t in threads]
+            + ["talker SNR", "CP SNR", "code-0", "CP agree (worst)", "audio SNR"])
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res["frontier"]:
+        def pair(key, fmt=_db):
+            a, b = r.get(key), r.get(key + "_outliers")
+            return fmt(a) + (f" / {fmt(b)}" if key + "_outliers" in r else "")
+
+        def agree(tag=""):
+            per = r.get(f"cp_agreement_per_codebook{tag}") or []
+            return f"{r[f'cp_agreement{tag}']:.2f} ({min(per):.2f})" if per else ""
+
+        cells = [r["path"], f"{r['weight_bytes_per_frame'] / 1e6:.0f}"]
+        cells += [f"{r[f'frame_ms_b1_t{t}']:.1f} ({r[f'gbs_b1_t{t}']:.1f})" for t in threads]
+        cells += [f"{r[f'frame_ms_b4_t{t}']:.1f}" for t in threads]
+        if "talker_logits_snr_db" in r:
+            cells += [pair("talker_logits_snr_db"), pair("cp_logits_snr_db"),
+                      pair("code0_agreement", lambda v: f"{v:.2f}"),
+                      agree() + (f" / {agree('_outliers')}" if "cp_agreement_outliers" in r else ""),
+                      pair("audio_snr_db")]
+        else:
+            cells += [""] * 5
+        lines.append("| " + " | ".join(cells) + " |")
+    yard = next((r for r in res["fidelity"] if r["path"] == "torch-bf16"), None)
+    if yard:
+        lines += ["", f"Yardstick (torch bf16, rounding alone): talker {_db(yard['logits_snr_db'])} dB, "
+                  f"CP {_db(yard['cp_logits_snr_db'])} dB, code-0 {yard['code0_agreement']:.2f}."]
     return "\n".join(lines) + "\n"
 
 

@@ -70,7 +70,13 @@ CAPACITY_KEYS = ("capacity_streams_0_6b", "rtf_estimate_0_6b", "capacity_realtim
                  "capacity_refusals_without_retry_after", "capacity_failures",
                  "capacity_bench_machine")
 HEADLINE += CAPACITY_KEYS
-LOW_BIT = ("int8", "int4")
+# the default profile's weight path and its fidelity (cpu_engine_bench*.json: the frontier) beside
+# its speed (the latest default-profile 0.6B stream_latency run) and the bandwidth it had
+DEFAULT_PATH_KEYS = ("default_weight_path", "rtf_c1_0_6b_default", "bandwidth_gbs",
+                     "default_talker_logits_snr_db", "default_cp_logits_snr_db",
+                     "default_talker_logits_snr_db_outliers", "default_cp_logits_snr_db_outliers")
+HEADLINE += DEFAULT_PATH_KEYS
+LOW_BIT = ("int8", "mixed", "int6", "int5", "int4")
 # serve flags that change the decode path or the chunk schedule: a run with none of them ran the
 # default profile (what `omni-stream serve --model DIR` does on that machine)
 PATH_FLAGS = ("--profile", "--dtype", "--device", "--weight-path", "--engine", "--compile",
@@ -583,7 +589,7 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
         put("quantized_path", wp, name, d, where, family=fam)
         put("engine_0_6b_quantized", engine, name, d, where, family=fam)
         ce = newest("cpu_engine_bench*.json")
-        kind = f"{engine}-{'q4' if wp == 'int4' else 'q8'}" if engine == "native" else f"torch-{wp}"
+        kind = f"{engine}-{wp}"
         rows = [r for r in (ce[1].get("fidelity", []) if ce else []) if r.get("path") == kind]
         if rows:
             f = rows[0]
@@ -600,6 +606,42 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
                   "engine_0_6b_quantized", "logits_snr_db_quantized", "code0_agreement_quantized",
                   "cp_agreement_quantized"):
             missing[k] = "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4"
+
+    # the default profile's weight path: its speed here and its fidelity on the frontier
+    if found_default := next(((n, d, c1_of(d)) for n, d in cpu_default if c1_of(d)), None):
+        name, d, s = found_default
+        wp = (d.get("profile") or {}).get("weight_path") or weight_path_of(d)
+        engine = (d.get("profile") or {}).get("engine") or "torch"
+        where = (f"latest 0.6B CPU run of the default profile ({path_of(d)}), label "
+                 f"{d.get('label')!r}, concurrency 1, n = {s.get('streams')} streams")
+        fam = [n for n, _ in cpu_default]
+        put("default_weight_path", wp, name, d, where, family=fam)
+        put("rtf_c1_0_6b_default", s["rtf_mean"], name, d, where + ", mean RTF over streams",
+            family=fam)
+        bw = (d.get("machine") or {}).get("bandwidth_gbs")
+        if bw is not None:
+            put("bandwidth_gbs", bw, name, d, "read bandwidth measured on that run's machine "
+                f"({(d.get('machine') or {}).get('bandwidth_threads')} threads)", family=fam)
+        else:
+            missing["bandwidth_gbs"] = f"{name} has no machine bandwidth"
+        ce = newest("cpu_engine_bench*.json")
+        row = next((r for r in (ce[1].get("frontier") or []) if r.get("path") == f"{engine}-{wp}"),
+                   None) if ce else None
+        for key, field in (("default_talker_logits_snr_db", "talker_logits_snr_db"),
+                           ("default_cp_logits_snr_db", "cp_logits_snr_db")):
+            for tag in ("", "_outliers"):
+                if row is not None and field + tag in row:
+                    put(key + tag, row[field + tag], ce[0], ce[1],
+                        f"{engine}-{wp}, teacher-forced over 2 prompts x "
+                        f"{ce[1].get('fidelity_frames')} frames against fp32 torch, "
+                        + ("outliers checkpoint " + str(ce[1].get("outliers_model")) if tag
+                           else "checkpoint " + str(ce[1].get("model"))))
+                else:
+                    missing[key + tag] = (f"no cpu_engine_bench*.json frontier row for {engine}-{wp}"
+                                          + (" with an outliers model" if tag else ""))
+    else:
+        for k in DEFAULT_PATH_KEYS:
+            missing[k] = "no CPU stream_latency*.json for 0.6b served with the default profile"
 
     # real-time streams of the 0.6B shape on CPU: the latest default-profile run
     key = "max_realtime_streams_cpu_0_6b"
