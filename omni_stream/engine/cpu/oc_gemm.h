@@ -44,6 +44,28 @@ void quantize_rows(const float* x, int m, int k, int g, int8_t* x8, float* xs, i
 #if OC_VNNI
 typedef int32_t __attribute__((may_alias, aligned(1))) i32a;  // 4 activation bytes as one word
 
+// MT rows of int8 activations (inputs kk .. kk + 15 of each) times 4 VPDPBUSD weight operands
+// (one per k-quad), into each row's A accumulator chains (the 3rd and 4th quads wrap onto the
+// first two when A == 2). Broadcasts come straight from memory (VPDPBUSD's {1to16} operand).
+template <int MT, int A>
+inline void dot4(__m512i (&iacc)[MT][A], __m512i w0, __m512i w1, __m512i w2, __m512i w3,
+                 const int8_t* x8, int k, int kk) {
+  for (int r = 0; r < MT; r++) {
+    const i32a* xr = reinterpret_cast<const i32a*>(x8 + (int64_t)r * k + kk);
+    iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, _mm512_set1_epi32(xr[0]));
+    iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, _mm512_set1_epi32(xr[1]));
+    iacc[r][2 % A] = _mm512_dpbusd_epi32(iacc[r][2 % A], w2, _mm512_set1_epi32(xr[2]));
+    iacc[r][3 % A] = _mm512_dpbusd_epi32(iacc[r][3 % A], w3, _mm512_set1_epi32(xr[3]));
+  }
+}
+
+// One group's integer sums a of one activation row into its float accumulator f, for weights
+// w = q s + m: f += a (s xs) + m (xs sum x8) (the affine kinds' epilogue, every kernel's).
+inline __m512 affine_group(__m512 f, __m512i a, __m512 sc, __m512 mn, float xs, int32_t gsum) {
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs)), f);
+  return _mm512_fmadd_ps(mn, _mm512_set1_ps(xs * (float)gsum), f);
+}
+
 // VPDPBUSD has a latency of several cycles: each row keeps 4 independent accumulators (one per
 // k-quad of a 16-byte step) so the chains overlap, summed at the end of each group.
 // q4 layout: per block of 16 rows, 64 bytes per pair of k-quads: byte 4 r + i holds row r's
@@ -74,15 +96,7 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
       __m512i w1 = _mm512_andnot_si512(mask, r0);
       __m512i w2 = _mm512_and_si512(r1, mask);
       __m512i w3 = _mm512_andnot_si512(mask, r1);
-      const int kk = j * g + kp * 8;
-      for (int r = 0; r < MT; r++) {
-        // broadcasts straight from memory (folded into VPDPBUSD's {1to16} operand)
-        const i32a* xr = reinterpret_cast<const i32a*>(x8 + (int64_t)r * k + kk);
-        iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, _mm512_set1_epi32(xr[0]));
-        iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, _mm512_set1_epi32(xr[1]));
-        iacc[r][2 % A] = _mm512_dpbusd_epi32(iacc[r][2 % A], w2, _mm512_set1_epi32(xr[2]));
-        iacc[r][3 % A] = _mm512_dpbusd_epi32(iacc[r][3 % A], w3, _mm512_set1_epi32(xr[3]));
-      }
+      dot4<MT, A>(iacc, w0, w1, w2, w3, x8, k, j * g + kp * 8);
     }
     __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
     __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
@@ -94,8 +108,7 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
         hi = _mm512_add_epi32(hi, iacc[r][3]);
       }
       __m512i a = _mm512_add_epi32(lo, _mm512_srai_epi32(hi, 4));
-      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), facc[r]);
-      facc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), facc[r]);
+      facc[r] = affine_group(facc[r], a, sc, mn, xs[r], gsum[(int64_t)r * ng + j]);
     }
   }
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, facc[r]);
@@ -165,22 +178,14 @@ void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32
         w2 = _mm512_or_si512(n2, _mm512_and_si512(_mm512_slli_epi16(e, 2), top));
         w3 = _mm512_or_si512(n3, _mm512_and_si512(_mm512_slli_epi16(e, 1), top));
       }
-      const int kk = j * 64 + t * 16;
-      for (int r = 0; r < MT; r++) {
-        const i32a* xr = reinterpret_cast<const i32a*>(x8 + (int64_t)r * k + kk);
-        iacc[r][0] = _mm512_dpbusd_epi32(iacc[r][0], w0, _mm512_set1_epi32(xr[0]));
-        iacc[r][1] = _mm512_dpbusd_epi32(iacc[r][1], w1, _mm512_set1_epi32(xr[1]));
-        iacc[r][2 % A] = _mm512_dpbusd_epi32(iacc[r][2 % A], w2, _mm512_set1_epi32(xr[2]));
-        iacc[r][3 % A] = _mm512_dpbusd_epi32(iacc[r][3 % A], w3, _mm512_set1_epi32(xr[3]));
-      }
+      dot4<MT, A>(iacc, w0, w1, w2, w3, x8, k, j * 64 + t * 16);
     }
     __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
     __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32 + 16)));
     for (int r = 0; r < MT; r++) {
       __m512i a = _mm512_add_epi32(iacc[r][0], iacc[r][1]);
       if constexpr (A == 4) a = _mm512_add_epi32(a, _mm512_add_epi32(iacc[r][2], iacc[r][3]));
-      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), facc[r]);
-      facc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), facc[r]);
+      facc[r] = affine_group(facc[r], a, sc, mn, xs[r], gsum[(int64_t)r * ng + j]);
     }
   }
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + (int64_t)r * ldy + nb * 16, facc[r]);
@@ -299,11 +304,9 @@ void q4_block_amx(const OcLinear& L, const int8_t* x8, const float* xs, const in
       const int rows = std::min(16, m - r0);
       for (int i = 0; i < rows; i++) {
         const int r = r0 + i;
-        __m512 f = _mm512_loadu_ps(acc + r * 16);
         __m512i a = _mm512_load_si512((const void*)(ct + i * 16));
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(xs[r])), f);
-        f = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[r] * (float)gsum[(int64_t)r * ng + j]), f);
-        _mm512_storeu_ps(acc + r * 16, f);
+        _mm512_storeu_ps(acc + r * 16, affine_group(_mm512_loadu_ps(acc + r * 16), a, sc, mn, xs[r],
+                                                    gsum[(int64_t)r * ng + j]));
       }
     }
   }
