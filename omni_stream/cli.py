@@ -245,11 +245,14 @@ BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
 def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
     """(read bandwidth, weight bytes per frame of each native weight path) for the profile to
     price weight paths with (``edge.adapt.priced_weight_path``). The bandwidth is
-    ``OMNI_STREAM_BANDWIDTH_GBS`` if set, else measured now on every core the talker may use
-    (a second), once per process; None where the hardware is an override describing another
-    machine (nothing here to measure)."""
+    ``OMNI_STREAM_BANDWIDTH_GBS`` if set, else measured on every core the talker may use (a
+    second), once per process (the profile is built twice at start-up), and logged with each
+    path's priced frame; None where the hardware is an override describing another machine
+    (nothing here to measure)."""
     import os
 
+    from omni_stream.edge import adapt
+    from omni_stream.edge.measure import memory_bandwidth_gbs
     from omni_stream.engine.cpu.native import frame_weight_bytes
     from omni_stream.engine.loading import NATIVE_PLANS
 
@@ -263,30 +266,23 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
             raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: give the read bandwidth in GB/s, e.g. 17.5")
         if not bw > 0 or bw == float("inf"):
             raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: the bandwidth must be a finite number > 0")
-        return bw, frame_bytes
-    if hw.source != "probe":
+        key, how = env, BANDWIDTH_ENV
+    elif hw.source != "probe":
         return None, frame_bytes
-    from omni_stream.edge import adapt
+    else:
+        threads = min(hw.physical_cores, adapt.MAX_STAGE_THREADS)
+        key, how = threads, f"measured on {threads} threads"
+    if key not in _BANDWIDTH:
+        _BANDWIDTH[key] = bw if env else memory_bandwidth_gbs(key)
+        gbs = _BANDWIDTH[key]
+        log.info("weight paths priced at %.1f GB/s (%s): %s per frame (real time: <= %.0f ms)",
+                 gbs, how, ", ".join(f"{wp} {b / (gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
+                                     for wp, b in frame_bytes.items()),
+                 adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
+    return _BANDWIDTH[key], frame_bytes
 
-    bw = _measured_bandwidth(min(hw.physical_cores, adapt.MAX_STAGE_THREADS))
-    log.info("weight paths priced at %.1f GB/s: %s per frame (real time: <= %.0f ms)", bw,
-             ", ".join(f"{wp} {b / (bw * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
-                       for wp, b in frame_bytes.items()),
-             adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
-    return bw, frame_bytes
 
-
-_BANDWIDTH: dict[int, float] = {}
-
-
-def _measured_bandwidth(threads: int) -> float:
-    from omni_stream.edge.measure import memory_bandwidth_gbs
-
-    if threads not in _BANDWIDTH:
-        _BANDWIDTH[threads] = memory_bandwidth_gbs(threads)
-        log.info("memory read bandwidth %.1f GB/s on %d threads (prices the weight paths)",
-                 _BANDWIDTH[threads], threads)
-    return _BANDWIDTH[threads]
+_BANDWIDTH: dict = {}  # per process: env value or thread count -> GB/s
 
 
 def _settings(a: argparse.Namespace, path, prof, sources):

@@ -100,13 +100,12 @@ def speed_worker(a: argparse.Namespace) -> dict:
 
 def _frame_bytes(eng) -> int:
     """Weight bytes one frame reads: the talker's layers and head once, the code predictor's
-    layers 15 times and one of its heads per sub-step."""
+    layers 15 times and one of its heads per sub-step (the native runner's: its plan's bytes,
+    ``engine.cpu.native.frame_weight_bytes``, equal to what it packed)."""
     if eng.native is not None:
-        n = eng.native
-        size = lambda pk: sum(t.numel() * t.element_size() for t in pk.tensors)  # noqa: E731
-        talker = sum(size(x) for layer in n.talker.layers for x in layer) + size(n.head)
-        cp = sum(size(x) for layer in n.cp.layers for x in layer)
-        return talker + 15 * (cp + size(n.cp_heads[0]))
+        from omni_stream.engine.cpu.native import frame_weight_bytes
+
+        return frame_weight_bytes(eng.cfg, eng.native.plan)
     t = eng.talker
     size = lambda mod: sum(b.numel() * b.element_size() for b in [*mod.parameters(), *mod.buffers()])  # noqa: E731
     cp = t.code_predictor

@@ -547,9 +547,9 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
                 f"{prof.get('engine') or 'torch'}")
 
     cpu_default = [(n, d) for n, d in runs if is_06b(d) and not is_cuda(d) and default_path(d)]
-    found = next(((n, d, c1_of(d)) for n, d in cpu_default if c1_of(d)), None)
-    if found:
-        name, d, s = found
+    default_c1 = next(((n, d, c1_of(d)) for n, d in cpu_default if c1_of(d)), None)
+    if default_c1:
+        name, d, s = default_c1
         where = (f"latest 0.6B CPU run of the default profile ({path_of(d)}), label "
                  f"{d.get('label')!r}, concurrency 1, n = {s.get('streams')} streams")
         put("ttfa_ms_p50_c1_0_6b", s["ttfa_ms_p50"], name, d, where, family=[n for n, _ in cpu_default])
@@ -608,8 +608,8 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
             missing[k] = "no CPU stream_latency*.json for 0.6b served with --weight-path int8/int4"
 
     # the default profile's weight path: its speed here and its fidelity on the frontier
-    if found_default := next(((n, d, c1_of(d)) for n, d in cpu_default if c1_of(d)), None):
-        name, d, s = found_default
+    if default_c1:
+        name, d, s = default_c1
         wp = (d.get("profile") or {}).get("weight_path") or weight_path_of(d)
         engine = (d.get("profile") or {}).get("engine") or "torch"
         where = (f"latest 0.6B CPU run of the default profile ({path_of(d)}), label "

@@ -28,13 +28,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from omni_stream.checkpoints.io import OUTLIERS_FILE
 from omni_stream.config import WEIGHT_PATHS, SamplingParams
 from omni_stream.models.prompt import PromptRequest
 from omni_stream.engine.synthesis import Synthesizer
 from omni_stream.evaluation.metrics import snr_db
 
-# written next to the weights by ``make-checkpoint --outliers``: what was planted
-OUTLIERS_FILE = "omni_stream_outliers.json"
 TEXTS = ("Hello world, this is a teacher-forced check of one weight path against the reference.",
          "Numbers, names and questions: does the code predictor keep up with 1,234 Fridays?")
 
@@ -154,15 +153,12 @@ def _one(ref: Synthesizer, test: Synthesizer, req: PromptRequest, frames: int, c
 def engine_paths(engine: str, device: str = "cpu") -> list[str]:
     """The weight paths ``engine`` runs on ``device`` (WEIGHT_PATHS order)."""
     from omni_stream.engine import quant
-    from omni_stream.engine.loading import NATIVE_PLANS
 
     out = []
-    for wp in WEIGHT_PATHS:
+    for wp in WEIGHT_PATHS:  # the native runtime has a plan for every one (NATIVE_PLANS)
         try:
             quant.check_supported(wp, device, engine)
         except ValueError:
-            continue
-        if engine == "native" and wp not in NATIVE_PLANS:
             continue
         out.append(wp)
     return out

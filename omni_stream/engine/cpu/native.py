@@ -288,7 +288,7 @@ def affine_codes(w: torch.Tensor, levels: int, group: int = Q4_GROUP,
     wg = w.view(n, k // group, group)
     lo0, hi0 = wg.amin(-1), wg.amax(-1)
 
-    def params(c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def params(c) -> tuple[torch.Tensor, torch.Tensor]:  # c: a fraction, or one per group
         lo = (lo0 * c).half().float()
         return ((hi0 - lo0) * c / levels).clamp(min=1e-8).half().float(), lo
 
@@ -301,10 +301,7 @@ def affine_codes(w: torch.Tensor, levels: int, group: int = Q4_GROUP,
         for c in clips:
             sc, mn = params(c)
             errs.append(((codes(sc, mn) * sc[..., None] + mn[..., None] - wg) ** 2).sum(-1))
-        best = torch.stack(errs).argmin(0)
-        frac = torch.tensor(clips, dtype=w.dtype)[best]
-        lo = (lo0 * frac).half().float()
-        scale = ((hi0 - lo0) * frac / levels).clamp(min=1e-8).half().float()
+        scale, lo = params(torch.tensor(clips, dtype=w.dtype)[torch.stack(errs).argmin(0)])
     return codes(scale, lo).to(torch.uint8).view(n, k), scale, lo
 
 
@@ -314,6 +311,15 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     qb = (q & 15).view(n // 16, 16, k // 8, 2, 4)  # [block, row, k-quad pair, quad of the pair, i]
     packed = (qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [b, pair, row, i]
     return packed.reshape(n // 16, k // 8, 64)
+
+
+def _top_bits(q: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes [n, k] above their nibble, per 16 inputs of a group and lane 4 r + i: the
+    ``width``-bit tops of its 4 k-quads u at bits width u.. [n / 16, k / 64, 4, 64]."""
+    n, k = q.shape
+    top = (q >> 4).view(n // 16, 16, k // Q4_GROUP, 4, 4, 4)  # [b, row, group, t, u, i]
+    lane = sum(top[:, :, :, :, u] << (width * u) for u in range(4))
+    return lane.permute(0, 2, 3, 1, 4).reshape(n // 16, k // Q4_GROUP, 4, 64)
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> PackedLinear:
@@ -339,22 +345,16 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> P
         g = Q4_GROUP
         q, scale, lo = affine_codes(w, LEVELS[kind], g, CLIPS[kind])  # what the kernel reads
         deq = (q.view(n, k // g, g).float() * scale[..., None] + lo[..., None]).view(n, k)
-        packed = _nibbles(q) if kind != "q8g" else None
         if kind == "q8g":  # the q8 layout of unsigned codes (one vector per k-quad)
             packed = q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64)
         elif kind == "q6":  # per 16 inputs of a group: 2 nibble vectors, 1 of the top two bits
-            top = (q >> 4).view(n // 16, 16, k // g, 4, 4, 4)  # [b, row, group, t, u, i]
-            crumbs = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 2) | (top[:, :, :, :, 2] << 4) \
-                | (top[:, :, :, :, 3] << 6)
-            crumbs = crumbs.permute(0, 2, 3, 1, 4).reshape(n // 16, k // g, 4, 64)
-            packed = torch.cat((packed.view(n // 16, k // g, 4, 2, 64), crumbs[:, :, :, None]), dim=3)
+            nib = _nibbles(q).view(n // 16, k // g, 4, 128)
+            packed = torch.cat((nib, _top_bits(q, 2)), dim=3)
         elif kind == "q5":  # per 16 inputs of a group: 2 nibble vectors, 32 bytes of top bits
-            top = (q >> 4).view(n // 16, 16, k // g, 4, 4, 4)  # [b, row, group, t, u, i]
-            lane = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 1) | (top[:, :, :, :, 2] << 2) \
-                | (top[:, :, :, :, 3] << 3)
-            lane = lane.permute(0, 2, 3, 1, 4).reshape(n // 16, k // g, 4, 64)  # 4 bits per lane
-            bits = lane[..., :32] | (lane[..., 32:] << 4)
-            packed = torch.cat((packed.view(n // 16, k // g, 4, 128), bits), dim=3)
+            nib, lane = _nibbles(q).view(n // 16, k // g, 4, 128), _top_bits(q, 1)
+            packed = torch.cat((nib, lane[..., :32] | (lane[..., 32:] << 4)), dim=3)
+        else:
+            packed = _nibbles(q)
         packed = packed.contiguous()
         sm = torch.stack((scale, lo), dim=-1).view(n // 16, 16, k // g, 2).permute(0, 2, 3, 1)
         sm = sm.contiguous().half()
@@ -506,9 +506,10 @@ ATTENTION = ("qkv", "o")
 class WeightPlan:
     """The weight kind of every product the runner packs (mixed precision per tensor).
 
-    ``talker`` / ``cp``: each stack's layers (a kind, or a per-product mapping with
-    ``attention`` / ``mlp`` for the classes), ``early`` (fraction, kind): the first fraction of
-    each stack's layers in that kind (their errors pass through every later layer),
+    ``talker`` / ``cp``: the kind of each stack's products, ``talker_attention`` /
+    ``cp_attention``: of its q|k|v and o instead (None: the stack's kind), ``early`` (fraction,
+    kind): the first fraction of each stack's layers in that kind (their errors pass through
+    every later layer),
     ``talker_head`` / ``cp_head``: the codec head and the code predictor's heads and projection
     (None: as the layers' default), ``overrides``: ("talker.3.qkv", kind) pairs that win over the
     rules (a measured allocation); ``smooth``: fold norm outliers into low-bit weights."""
@@ -682,9 +683,9 @@ class NativeRunner:
                          lease=lease)
         t, cp = engine.talker, engine.talker.code_predictor
         try:
-            self._pack(engine, talker_kind, cp_kind, PackCache(pack_cache))
+            self._pack(engine, PackCache(pack_cache))
         except _Repack:  # the cache file did not fit: pack everything and rewrite it
-            self._pack(engine, talker_kind, cp_kind, PackCache(pack_cache, read=False))
+            self._pack(engine, PackCache(pack_cache, read=False))
         heads = (OcLinear * len(self.cp_heads))(*[h.struct for h in self.cp_heads])
         emb_dtype = t.model.codec_embedding.weight.dtype
         tables = [t.model.codec_embedding.weight] + [e.weight for e in cp.model.codec_embedding]
@@ -704,9 +705,8 @@ class NativeRunner:
             talker_vocab=engine.cfg.lm.vocab_size, cp_vocab=engine.codebook_size, groups=g,
             cos_tab=self.cp_rope[0].data_ptr(), sin_tab=self.cp_rope[1].data_ptr())
         self.engine = engine
-        self.kinds = (self.plan.talker, self.plan.cp)
 
-    def _pack(self, engine, talker_kind: str, cp_kind: str, packs: PackCache) -> None:
+    def _pack(self, engine, packs: PackCache) -> None:
         t, cp = engine.talker, engine.talker.code_predictor
         plan = self.plan
         nt, nc = len(t.model.layers), len(cp.model.layers)
