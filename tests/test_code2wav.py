@@ -272,3 +272,32 @@ def test_packed_bf16_weights_decode_as_the_unpacked(codes, ref, gemm_min_channel
 
     assert snr(b, a) > 20, snr(b, a)
     assert snr(b, want) > snr(a, want) - 3, (snr(b, want), snr(a, want))
+
+
+def _in_bf16(module: torch.nn.Module) -> None:
+    """Run ``module`` in bf16 inside an fp32 model (a mixed-precision decode): its parameters
+    cast, its input cast down and its output back up."""
+    module.to(torch.bfloat16)
+    inner = module.forward
+
+    def forward(x, *args, **kw):
+        return inner(x.bfloat16(), *args, **kw).float()
+
+    module.forward = forward
+
+
+@pytest.mark.parametrize("part", ["pre_transformer", "decoder.1", "upsample.0.0"])
+def test_a_part_in_bf16_streams_beside_an_fp32_state(codes, part) -> None:
+    """A mixed-precision decode (one part in bf16, the state and the rest fp32) streams: the
+    part reads and writes its conv tails and attention cache in its own dtype, and the streamed
+    audio is its one-pass decode's, within bf16 rounding."""
+    m = _build()
+    _in_bf16(m.get_submodule(part))
+    with torch.no_grad():
+        one_pass = m(codes)
+        streamed = _stream(m, codes, _splits("random"))
+        full = _build()(codes)
+    assert streamed.dtype == torch.float32 and streamed.shape == one_pass.shape
+    snr = lambda x, r: float(10 * torch.log10(r.pow(2).sum() / (x - r).pow(2).sum()))  # noqa: E731
+    assert snr(streamed, one_pass) >= 30  # bf16 rounding differs by chunk (code2wav_precision)
+    assert 20 <= snr(one_pass, full) < 100  # the part really ran in bf16

@@ -77,8 +77,10 @@ class _Step:
     def tail(self, state_id: int, x: Tensor, keep: int) -> Tensor:
         """Return ``tail ++ x`` for the selected slots and store its last ``keep`` columns back."""
         buf = self.state.tails[state_id]
-        xx = torch.cat([buf.index_select(0, self.idx), x], dim=-1)
-        buf.index_copy_(0, self.idx, xx[..., xx.shape[-1] - keep:])
+        # a part running in another dtype than the state (a mixed-precision decode) reads and
+        # writes its tail in its own dtype: bf16 values are exact in an fp32 state
+        xx = torch.cat([buf.index_select(0, self.idx).to(x.dtype), x], dim=-1)
+        buf.index_copy_(0, self.idx, xx[..., xx.shape[-1] - keep:].to(buf.dtype))
         return xx
 
     def kv(self, layer_id: int, k: Tensor, v: Tensor, keep: int) -> tuple[Tensor, Tensor]:
@@ -86,10 +88,11 @@ class _Step:
         ``[past ++ new]``); stores the last ``keep`` entries of ``[past ++ new]`` back.
         k, v [s, H_kv, T, D] are the new frames' rotated keys and values."""
         kb, vb = self.state.keys[layer_id], self.state.values[layer_id]
-        past_k, past_v = kb.index_select(0, self.idx), vb.index_select(0, self.idx)
+        past_k = kb.index_select(0, self.idx).to(k.dtype)  # a part in its own dtype (see tail)
+        past_v = vb.index_select(0, self.idx).to(v.dtype)
         kk, vv = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        kb.index_copy_(0, self.idx, kk[:, :, kk.shape[2] - keep:])
-        vb.index_copy_(0, self.idx, vv[:, :, vv.shape[2] - keep:])
+        kb.index_copy_(0, self.idx, kk[:, :, kk.shape[2] - keep:].to(kb.dtype))
+        vb.index_copy_(0, self.idx, vv[:, :, vv.shape[2] - keep:].to(vb.dtype))
         return past_k, past_v
 
 
