@@ -178,7 +178,7 @@ def _fidelity_table(rows: list[dict], title: str) -> None:
 
 # serve flag (argparse dest) -> DeployProfile field; a flag left unset is filled by the profile
 SERVE_PROFILE_FLAGS = {
-    "dtype": "dtype", "device": "device", "max_streams": "max_streams",
+    "dtype": "dtype", "codec_dtype": "codec_dtype", "device": "device", "max_streams": "max_streams",
     "max_seq_len": "max_seq_len", "first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
     "talker_threads": "talker_threads", "codec_threads": "codec_threads",
     "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
@@ -216,9 +216,11 @@ def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
     for dest, fld in SERVE_PROFILE_FLAGS.items():
         v = getattr(a, dest, None)
         if v is not None:
-            if dest == "dtype" and v not in DTYPES:
-                raise ValueError(f"unknown dtype '{v}': use fp32 or bf16")
-            user[fld] = DTYPES[v] if dest == "dtype" else v
+            if dest in ("dtype", "codec_dtype"):
+                if v not in DTYPES:
+                    raise ValueError(f"unknown {dest.replace('_', '-')} '{v}': use fp32 or bf16")
+                v = DTYPES[v]
+            user[fld] = v
     if user.get("weight_path") in LOW_BIT_WEIGHT_PATHS:
         user.setdefault("dtype", "bfloat16")  # the low-bit kernels compute in bf16
     if user.get("dtype") == "float32":
@@ -294,7 +296,8 @@ def _settings(a: argparse.Namespace, path, prof, sources):
     return PipelineSettings(
         model_path=str(path),
         model_name=model_name or ("qwen3-tts" if a.model == "default" else path.name),
-        dtype=prof.dtype, device=prof.device, max_streams=prof.max_streams,
+        dtype=prof.dtype, codec_dtype=prof.codec_dtype, device=prof.device,
+        max_streams=prof.max_streams,
         max_queue=getattr(a, "max_queue", 16), queue_timeout_s=prof.queue_timeout_s,
         max_seq_len=prof.max_seq_len,
         schedule=ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk),
@@ -505,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk calibration (see `omni-stream profile`); none: fixed defaults "
                         "and the chunk calibration")
     v.add_argument("--dtype", default=None, help="fp32 or bf16 (default: from the profile)")
+    v.add_argument("--codec-dtype", default=None,
+                   help="Code2Wav's dtype, fp32 or bf16 (default: from the profile: fp32 on GPUs "
+                        "and with --fidelity-first, else --dtype's). fp32 is the exact decode: "
+                        "the same audio at any chunk plan and what client-side decoders match")
     v.add_argument("--device", default=None, help="cpu or cuda (default: from the profile)")
     v.add_argument("--max-streams", type=int, default=None, help="concurrent streams (talker slots)")
     v.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot")

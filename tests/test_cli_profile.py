@@ -153,3 +153,31 @@ def test_cached_costs_are_the_profiles_calibration_layer(tiny_ckpt, monkeypatch,
     s, _, src = pipeline_settings(none)
     assert s.schedule_calibrated and src["steady_chunk"] == "calibration"
     assert src["dtype"] == "default"
+
+
+def test_codec_dtype_reaches_the_codec_stage_and_the_announced_decode_dtype(tiny_ckpt, monkeypatch,
+                                                                            tmp_path):
+    """Code2Wav's dtype is its own: derived fp32 on a GPU beside bf16 language models, the
+    models' dtype on a bf16 CPU, ``--codec-dtype`` wins; the codec stage loads it, the talker
+    keeps ``dtype``, and a bad value is refused by name."""
+    from omni_stream.cli import pipeline_settings
+    from omni_stream.orchestrator import PipelineSettings
+    from omni_stream.orchestrator.pipeline import stage_specs
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+    s, prof, src = pipeline_settings(_serve_args("--model", str(tiny_ckpt)), _hw(GPU))
+    assert (s.dtype, s.decode_dtype, src["codec_dtype"]) == ("bfloat16", "float32", "derived")
+    specs = stage_specs(s)
+    assert (specs["talker"].dtype, specs["codec"].dtype) == ("bfloat16", "float32")
+    s2, _, src2 = pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--dtype", "bf16",
+                                                "--codec-dtype", "fp32"),
+                                    _hw({"hardware_class": "x86_cpu"}))
+    assert (s2.dtype, s2.decode_dtype, src2["codec_dtype"]) == ("bfloat16", "float32", "user")
+    assert stage_specs(s2)["codec"].dtype == "float32"
+    # the measured costs belong to the codec's dtype too
+    s3 = PipelineSettings(model_path=str(tiny_ckpt), dtype="bfloat16")
+    assert s3.decode_dtype == "bfloat16"
+    assert s3.calibration_fingerprint() != PipelineSettings(
+        model_path=str(tiny_ckpt), dtype="bfloat16", codec_dtype="float32").calibration_fingerprint()
+    with pytest.raises(ValueError, match="unknown codec-dtype 'fp16'"):
+        pipeline_settings(_serve_args("--model", str(tiny_ckpt), "--codec-dtype", "fp16"), _hw(GPU))

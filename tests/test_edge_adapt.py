@@ -143,7 +143,8 @@ def test_calibration_then_user_win_and_are_marked():
 
 def test_user_overrides_every_field():
     hw = _machine("desktop_rtx4090", RTX_TORCH)
-    user = {"dtype": "float32", "weight_path": "fp32", "device": "cpu", "max_streams": 3,
+    user = {"dtype": "float32", "codec_dtype": "bfloat16", "weight_path": "fp32", "device": "cpu",
+            "max_streams": 3,
             "max_seq_len": 512, "kv_budget_mb": 100.0, "talker_threads": 1, "codec_threads": 1,
             "cp_threads": 1, "placement": "split", "cpu_sets": {"talker": [0], "cp": [1],
                                                                 "codec": [2, 3]},
@@ -170,6 +171,30 @@ def test_derived_values_follow_user_inputs():
     p, _ = _build(hw, user={"kv_budget_mb": two_streams_mb, "dtype": "float32",
                             "weight_path": "fp32"})
     assert p.max_streams == 1  # fp32 KV costs twice as much
+
+
+def test_codec_dtype_exact_on_gpus_and_with_fidelity_first_else_the_models_dtype():
+    """Code2Wav decodes in fp32 where that is cheap (a GPU) or asked for (fidelity first, fp32
+    models), in the models' bf16 on a bf16 CPU; a user value wins; a bad one is refused."""
+    cpu = _machine("local_xeon_2c")
+    p, src = _build(cpu)
+    assert (p.dtype, p.codec_dtype) == ("bfloat16", "bfloat16") and src["codec_dtype"] == "derived"
+    p, _ = _build(cpu, user={"fidelity_first": True})
+    assert p.codec_dtype == "float32"
+    p, _ = _build(cpu, user={"dtype": "float32", "weight_path": "fp32"})
+    assert p.codec_dtype == "float32"
+    p, src = _build(cpu, user={"codec_dtype": "float32"})
+    assert (p.dtype, p.codec_dtype) == ("bfloat16", "float32") and src["codec_dtype"] == "user"
+    gpu, _ = _build(_machine("desktop_rtx4090", RTX_TORCH))
+    assert (gpu.device, gpu.dtype, gpu.codec_dtype) == ("cuda", "bfloat16", "float32")
+    p, _ = _build(_machine("desktop_rtx4090", RTX_TORCH), user={"codec_dtype": "bfloat16"})
+    assert p.codec_dtype == "bfloat16"
+    nobf16 = load_profile(_env({"isa": ["avx", "avx2", "fma"]}), root=str(HW / "local_xeon_2c"),
+                          use_torch=False)
+    assert _build(nobf16)[0].codec_dtype == "float32"
+    for bad in ("float16", "fp32", "", 32):
+        with pytest.raises(ValueError, match="codec_dtype"):
+            DeployProfile(codec_dtype=bad)
 
 
 def test_unknown_keys_raise_naming_them():
@@ -214,8 +239,11 @@ def test_profile_notes_say_what_bf16_decoding_and_each_weight_path_cost():
 
     bf16 = format_profile(DeployProfile(dtype="bfloat16", weight_path="int4"), {})
     assert "Code2Wav decodes in bf16" in bf16 and "weight_path int4" in bf16
-    assert "code2wav_precision.json" in bf16 and "--dtype fp32" in bf16
+    assert "code2wav_precision.json" in bf16 and "--codec-dtype fp32" in bf16
     assert "note:" not in format_profile(DeployProfile(), {})
+    # an fp32 decode beside bf16 language models carries no Code2Wav note
+    exact_codec = format_profile(DeployProfile(dtype="bfloat16", codec_dtype="float32"), {})
+    assert "Code2Wav" not in exact_codec
     for (engine, wp), fid in PATH_FIDELITY.items():
         text = format_profile(DeployProfile(dtype="bfloat16", weight_path=wp, engine=engine), {})
         assert f"weight_path {wp} ({engine} engine)" in text and f"{fid['talker']:.0f}" in text

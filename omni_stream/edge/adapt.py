@@ -103,6 +103,11 @@ class DeployProfile:
     'size the KV cache from free memory at start-up'; ``cpu_sets`` empty means 'no pinning'."""
 
     dtype: str = "float32"
+    # Code2Wav's dtype; None: the same as ``dtype``. Apart from the language models' because its
+    # precision is what the listener hears and what client-side decoders must match: fp32 is
+    # exact and the same at any chunk plan, bf16 ~28 dB from it and chunk-plan dependent
+    # (benchmarks/tts/results/code2wav_precision*.json)
+    codec_dtype: str | None = None
     weight_path: str = "fp32"
     fidelity_first: bool = False  # keep exact (bf16/fp32) weights even where int8 is faster
     device: str = "cpu"
@@ -135,6 +140,9 @@ class DeployProfile:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.codec_dtype is not None and self.codec_dtype not in DTYPES:
+            raise ValueError(f"codec_dtype must be null or one of {', '.join(DTYPES)}; "
+                             f"got {self.codec_dtype!r}")
         if self.steady_chunk < self.first_chunk:
             raise ValueError(f"steady_chunk ({self.steady_chunk}) must be >= first_chunk "
                              f"({self.first_chunk})")
@@ -305,6 +313,17 @@ def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
     return exact
 
 
+def derive_codec_dtype(device: str, dtype: str, *, fidelity_first: bool = False) -> str:
+    """Code2Wav's dtype. fp32 on GPUs, where an exact decode costs little beside the language
+    models (benchmarks/tts/results/code2wav_precision_cuda.json), and wherever fidelity comes
+    first or the models run in fp32; elsewhere the models' dtype: a CPU's bf16 decode is about
+    half the fp32 one's cost per frame, which a small machine cannot spare
+    (code2wav_precision.json)."""
+    if device == "cuda" or fidelity_first:
+        return "float32"
+    return dtype
+
+
 def derive_threads(hw: HardwareProfile, device: str, placement: str) -> dict[str, int]:
     """Intra-op threads per stage from physical cores (see the constants for the evidence)."""
     cores = hw.physical_cores
@@ -390,6 +409,8 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
                                           dtype_user=inputs.get("dtype_user"),
                                           bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
                                           frame_bytes=inputs.get("frame_bytes")),
+        "codec_dtype": derive_codec_dtype(device, inputs.get("dtype_user") or ("bfloat16" if bf16 else "float32"),
+                                          fidelity_first=bool(inputs.get("fidelity_first"))),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
         "engine": engine,
@@ -486,15 +507,13 @@ def format_profile(profile: DeployProfile, sources: Mapping[str, str]) -> str:
 def profile_notes(profile: DeployProfile) -> list[str]:
     """What a choice costs, where the profile trades fidelity for speed."""
     notes = []
-    if profile.dtype == "bfloat16" and profile.device == "cpu":
-        notes.append("Code2Wav decodes in bf16: its audio is ~28 dB from the fp32 decode of the "
-                     "same codes, and any single part of it in bf16 already falls below 45 dB, so "
-                     "no mixed-precision split does better (benchmarks/tts/results/"
-                     "code2wav_precision.json); an fp32 decode costs ~70 ms per frame on one core "
-                     "of the 2-core build machine against bf16's ~44 (chunk 8: benchmarks/tts/"
-                     "results/code2wav_dtype_bench.json), most of that core's 80 ms, leaving "
-                     "the language models none of it. --dtype fp32 for an exact decode at lower "
-                     "speed.")
+    if (profile.codec_dtype or profile.dtype) == "bfloat16" and profile.device == "cpu":
+        notes.append("Code2Wav decodes in bf16: its audio is ~28-30 dB from the fp32 decode of "
+                     "the same codes and depends on the chunk plan (two plans of one stream ~30-37 "
+                     "dB apart); mixed fp32/bf16 splits reach 35-39 dB at most of bf16's cost "
+                     "(benchmarks/tts/results/code2wav_precision.json). An fp32 decode costs about "
+                     "twice bf16's per frame on a CPU core. --codec-dtype fp32 for the exact "
+                     "decode (chunk-plan invariant, equal to client-side decoders) at that cost.")
     fid = PATH_FIDELITY.get((profile.engine, profile.weight_path))
     if fid is not None:
         def figs(tag: str) -> str:
@@ -520,5 +539,5 @@ def profile_notes(profile: DeployProfile) -> list[str]:
 __all__ = [
     "CLASS_DIR", "DEFAULTS", "FIELDS", "DeployProfile", "build_profile", "derive",
     "calibration_values", "derive_cpu_sets", "derive_memory", "derive_threads",
-    "derive_weight_path", "format_profile", "load_class_file", "profile_to_dict",
+    "derive_codec_dtype", "derive_weight_path", "format_profile", "load_class_file", "profile_to_dict",
 ]

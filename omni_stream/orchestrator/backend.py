@@ -194,7 +194,7 @@ class PipelineBackend:
 
         ident = await asyncio.get_running_loop().run_in_executor(
             None, codec_identity, self.s.model_path)
-        self.codec_info = {**ident.as_dict(), "decode_dtype": self.s.dtype}
+        self.codec_info = {**ident.as_dict(), "decode_dtype": self.s.decode_dtype}
         cleanup_stale()
         self.adm = AdmissionController(self.kv.usable_bytes, self.s.max_streams, self.s.max_queue,
                                        max_overtakes=self.s.max_overtakes)

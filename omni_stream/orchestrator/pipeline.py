@@ -43,7 +43,7 @@ def stage_specs(s: PipelineSettings) -> dict[str, StageSpec]:
                             cuda_graphs=s.cuda_graphs, engine=s.engine,
                             cpus=tuple(s.cpu_sets.get("talker", ())),
                             lent_cpus=tuple(s.cpu_sets.get("codec", ())) if s.lend_cores else ()),
-        "codec": StageSpec(model_path=s.model_path, dtype=s.dtype, max_slots=s.max_streams,
+        "codec": StageSpec(model_path=s.model_path, dtype=s.decode_dtype, max_slots=s.max_streams,
                            threads=s.codec_threads, device=s.device,
                            cpus=tuple(s.cpu_sets.get("codec", ())), lends_cores=s.lend_cores),
     }

@@ -19,6 +19,7 @@ class PipelineSettings:
     model_path: str
     model_name: str = "qwen3-tts"
     dtype: str = "float32"
+    codec_dtype: str | None = None  # Code2Wav's dtype; None: ``dtype`` (see ``decode_dtype``)
     weight_path: str | None = None  # talker/code-predictor weights: None = dtype, int8, int4
     compile: bool = False  # torch.compile the decoder steps (cached across restarts)
     engine: str = "torch"  # what runs the decode step: "torch" ops or the "native" CPU runtime
@@ -72,11 +73,16 @@ class PipelineSettings:
             if why:
                 raise ValueError(f"lend_cores {why}; set lend_cores false")
 
+    @property
+    def decode_dtype(self) -> str:
+        """The dtype Code2Wav runs in."""
+        return self.codec_dtype or self.dtype
+
     def calibration_fingerprint(self) -> str:
         """Measured costs hold for this hardware AND this checkpoint (its weight files' sizes
         and times) and deployment (engine, weight path, slots, threads, placement)."""
         key = [hardware_fingerprint(), str(self.model_path), _files_identity(self.model_path),
-               self.dtype, self.weight_path, self.compile, self.engine, self.max_streams,
+               self.dtype, self.decode_dtype, self.weight_path, self.compile, self.engine, self.max_streams,
                self.placement, self.talker_threads, self.codec_threads, self.cp_threads,
                self.lend_cores, sorted((k, tuple(v)) for k, v in self.cpu_sets.items())]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
