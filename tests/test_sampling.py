@@ -374,3 +374,75 @@ def test_consecutive_draws_of_a_stream_are_independent():
     pr = torch.softmax(logits[0].double(), 0).numpy()
     stat, dof = _chi_square(joint, np.outer(pr, pr).ravel(), len(a))
     assert _chi2_sf(stat, dof) > 1e-4, (stat, dof)
+
+
+# --- speculative code prediction: draft and full predictor coupled through the noise -------------
+SPEC_CASES = {
+    # name: (V, T, top_k, top_p, how the draft's logits relate to the target's)
+    "close_draft": (CP_V, 0.9, 50, 1.0, "close"),
+    "independent_draft": (64, 1.0, 0, 1.0, "independent"),
+    "equal_draft": (CP_V, 0.9, 50, 1.0, "equal"),
+    "disjoint_supports": (64, 1.0, 8, 1.0, "disjoint"),
+    "top_p_and_cold": (CP_V, 0.3, 0, 0.7, "close"),
+    "one_token": (CP_V, 0.9, 1, 1.0, "close"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_speculative_draws_keep_the_target_distribution_and_accept_at_the_coupling_rate(case):
+    """A million (seed, counter) draws of a draft (logits q) and of the full predictor (logits
+    p) with the same noise, as speculative code prediction makes them: the kept code (always
+    the full predictor's draw) follows the filtered softmax of p whatever the draft; a draft is
+    accepted exactly when both draws agree, at the rate ``coupled_acceptance`` gives, token by
+    token (chi-square over 'accepted as i' and 'rejected'); equal logits accept every draft,
+    disjoint supports none."""
+    from omni_stream.engine.speculative import coupled_acceptance
+
+    v, t, k, p, how = SPEC_CASES[case]
+    n = 1_000_000
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()) % 1000)
+    target = torch.randn(v, generator=gen) * 2.0
+    draft = {"close": target + 0.5 * torch.randn(v, generator=gen),
+             "independent": torch.randn(v, generator=gen) * 2.0,
+             "equal": target.clone(),
+             "disjoint": -target}[how]
+    cp_, cq = (filter_candidates(s.unsqueeze(0), _sp(1, t=t, k=k, p=p), candidates_needed(k, v))
+               for s in (target, draft))
+    seed, ctr = torch.arange(n) // 1000, torch.arange(n) % 1000
+    kept, proposed = _draw_many(cp_, seed, ctr), _draw_many(cq, seed, ctr)
+    probs_p = _expected(target.numpy(), t, k, p)
+    probs_q = _expected(draft.numpy(), t, k, p)
+    counts = np.bincount(kept.numpy(), minlength=v)
+    assert counts[probs_p == 0].sum() == 0
+    stat, dof = _chi_square(counts, probs_p, n)
+    if dof > 0:
+        assert _chi2_sf(stat, dof) > 1e-4, (case, stat, dof)
+    joint = coupled_acceptance(torch.from_numpy(probs_p), torch.from_numpy(probs_q)).numpy()
+    acc = (kept == proposed).numpy()
+    rate = float(joint.sum())
+    if how == "equal":
+        assert acc.all() and rate == pytest.approx(1.0, abs=1e-9)
+    elif how == "disjoint":
+        assert not acc.any() and rate == 0.0
+    cells = np.append(np.bincount(kept.numpy()[acc], minlength=v), (~acc).sum())
+    stat, dof = _chi_square(cells, np.append(joint, 1.0 - rate), n)
+    if dof > 0:
+        assert _chi2_sf(stat, dof) > 1e-4, (case, stat, dof, rate, acc.mean())
+
+
+def test_coupled_acceptance_at_its_edges():
+    """Equal distributions accept with certainty (each token at its own probability), a
+    one-token target accepts at the draft's chance of that token's Gumbel win, zeros on either
+    side give 0, and bad shapes are refused."""
+    from omni_stream.engine.speculative import coupled_acceptance
+
+    p = torch.tensor([0.5, 0.25, 0.25, 0.0])
+    assert torch.allclose(coupled_acceptance(p, p), p.double())
+    one = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    # both draw token 1 iff it wins the draft's Gumbel-max: probability q_1
+    assert torch.allclose(coupled_acceptance(one, q), torch.tensor([0, 0.25, 0, 0], dtype=torch.float64))
+    assert float(coupled_acceptance(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).sum()) == 0.0
+    for a, b in ((torch.ones(3) / 3, torch.ones(4) / 4), (torch.zeros(0), torch.zeros(0))):
+        with pytest.raises(ValueError, match="probability vectors"):
+            coupled_acceptance(a, b)
