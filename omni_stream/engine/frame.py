@@ -103,6 +103,7 @@ class FrameEngine:
         eos_col[self.eos] = True
         self._eos_col = eos_col
         self._arange = torch.arange(s, device=dev)
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
         g = self.cfg.num_code_groups
         # code-predictor positions per sub-step: [0, 1] for the 2-token prefill, then 2..G-1
         self._cp_pos0 = torch.tensor([[0, 1]], device=dev).expand(s, 2)
@@ -274,7 +275,7 @@ class FrameEngine:
         code0 = torch.where(ok, code0, torch.full_like(code0, INVALID))
         self.counter[sl] += 1
         rows = self._arange[sl]
-        self.seen[rows, safe] = True
+        self.seen[rows, safe] = self._true  # a device tensor: a CUDA graph cannot copy a host True
         self.n_gen[sl] += 1
         self.last_code0[sl] = code0
         return code0

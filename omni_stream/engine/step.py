@@ -66,7 +66,8 @@ def step_mask(valid: torch.Tensor | None, past_len: int, t: int, dtype: torch.dt
               device: torch.device) -> torch.Tensor:
     """Additive mask [B, 1, T, L + T]: row b sees past positions j < valid[b] (``valid`` [B];
     None: all L) and the new tokens causally (token i sees new tokens 0..i)."""
-    neg = torch.tensor(float("-inf"), dtype=dtype, device=device)
+    # torch.full, not torch.tensor: a host-to-device copy cannot be captured in a CUDA graph
+    neg = torch.full((), float("-inf"), dtype=dtype, device=device)
     zero = torch.zeros((), dtype=dtype, device=device)
     i = torch.arange(t, device=device)
     causal = torch.where(i.view(1, -1) <= i.view(-1, 1), zero, neg)  # [T, T]
