@@ -309,7 +309,27 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         compile=prof.compile, engine=prof.engine, lend_cores=prof.lend_cores,
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
-        throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets))
+        throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets),
+        speculative_cp=_speculative_cp(getattr(a, "speculative_cp", None), path))
+
+
+def _speculative_cp(text: str | None, path) -> tuple[int, int] | None:
+    """``--speculative-cp LAYERS[:LOOKAHEAD]`` -> (draft layers, lookahead), checked against the
+    checkpoint's code predictor (1 .. its layers - 1; lookahead >= 1, default 4)."""
+    if text is None:
+        return None
+    from omni_stream.checkpoints.io import read_config
+
+    n = read_config(path).talker.code_predictor.num_hidden_layers
+    layers, _, look = text.partition(":")
+    try:
+        d, k = int(layers), int(look) if look else 4
+    except ValueError:
+        d = k = 0
+    if not (1 <= d < n and k >= 1):
+        raise ValueError(f"--speculative-cp {text!r}: give LAYERS[:LOOKAHEAD], draft layers 1 to "
+                         f"{n - 1} (this code predictor has {n}) and a lookahead >= 1, e.g. 2:4")
+    return d, k
 
 
 def _with_calibration(a: argparse.Namespace, path, build, costs_out: list | None = None):
@@ -542,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the talker's native runtime compute on the codec stage's cores "
                         "while Code2Wav is idle (default: from the profile: on with the native "
                         "engine and pinned stages)")
+    v.add_argument("--speculative-cp", default=None, metavar="LAYERS[:LOOKAHEAD]",
+                   help="speculative code prediction on the torch engine: a draft of the code "
+                        "predictor's first LAYERS layers proposes LOOKAHEAD codes (default 4), "
+                        "the full predictor verifies them in one pass; the codes are the plain "
+                        "path's for every seed (benchmarks/tts/results/speculative_bench.md)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
     from omni_stream.server.settings import add_arguments

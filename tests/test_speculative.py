@@ -87,3 +87,68 @@ def test_bad_settings_are_refused_by_name(tiny_model):
     eng.native = object()  # any native runner
     with pytest.raises(ValueError, match="torch engine"):
         speculative.enable(eng, 1)
+
+
+def _serve_args(*argv):
+    from omni_stream.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_serve_flag_reaches_the_talker_stage_and_bad_values_are_refused(tiny_ckpt, monkeypatch,
+                                                                        tmp_path):
+    """``--speculative-cp LAYERS[:LOOKAHEAD]`` becomes the talker stage's (layers, lookahead),
+    checked against the checkpoint's code predictor; it is refused by name with the native
+    engine, the split placement and CUDA graphs."""
+    from omni_stream.cli import pipeline_settings
+    from omni_stream.edge.probe import load_profile
+    from omni_stream.orchestrator import PipelineSettings
+    from omni_stream.orchestrator.pipeline import stage_specs
+
+    monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
+    hw = load_profile(env={"OMNI_STREAM_HW_PROFILE": '{"hardware_class": "x86_cpu"}'}, use_torch=False)
+    base = ("--model", str(tiny_ckpt), "--engine", "torch")
+    s, _, _ = pipeline_settings(_serve_args(*base, "--speculative-cp", "1:3"), hw)
+    assert s.speculative_cp == (1, 3) and stage_specs(s)["talker"].speculative_cp == (1, 3)
+    s, _, _ = pipeline_settings(_serve_args(*base, "--speculative-cp", "1"), hw)
+    assert s.speculative_cp == (1, 4)  # the default lookahead
+    assert pipeline_settings(_serve_args(*base), hw)[0].speculative_cp is None
+    for bad in ("2", "0", "1:0", "x", "1:y", ""):  # the tiny code predictor has 2 layers
+        with pytest.raises(ValueError, match="--speculative-cp"):
+            pipeline_settings(_serve_args(*base, "--speculative-cp", bad), hw)
+    with pytest.raises(ValueError, match="--engine torch"):
+        PipelineSettings(model_path="m", engine="native", speculative_cp=(1, 4))
+    with pytest.raises(ValueError, match="placement 'together'"):
+        PipelineSettings(model_path="m", placement="split", speculative_cp=(1, 4))
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        PipelineSettings(model_path="m", device="cuda", cuda_graphs=True, speculative_cp=(1, 4))
+
+
+def test_a_speculative_server_streams_the_plain_servers_audio(tiny_ckpt):
+    """End to end on a real pipeline: a seeded request to a server whose code predictor drafts
+    and verifies gives the offline (plain) synthesis' audio, within 1 LSB."""
+    from omni_stream.engine.synthesis import Synthesizer
+    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.server.testing import serving_in_thread
+    from omni_stream.server.app import start_server
+    import json
+    import urllib.request
+
+    text, frames = "Drafted and verified, frame by frame.", 20
+    ref = Synthesizer.from_path(tiny_ckpt).synthesize(
+        PromptRequest(text=text, language="english", speaker="ryan"), SamplingParams(), seed=321,
+        max_frames=frames)
+    backend = PipelineBackend(PipelineSettings(
+        model_path=str(tiny_ckpt), max_streams=2, max_seq_len=512, queue_timeout_s=60,
+        schedule=ChunkPolicy(first=1, steady=4), speculative_cp=(1, 3)))
+    body = {"input": text, "voice": "ryan", "language": "english", "response_format": "pcm",
+            "seed": 321, "max_new_tokens": frames}
+    with serving_in_thread(lambda: start_server(backend, "127.0.0.1", 0), timeout=300) as url:
+        req = urllib.request.Request(f"{url}/v1/audio/speech", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            audio = np.frombuffer(r.read(), dtype="<i2")
+    assert len(audio) == len(ref.codes) * 1920 > 0
+    expected = np.clip(ref.audio, -1, 1) * 32767.0
+    assert np.abs(audio.astype(np.float64) - expected).max() <= 1.0 + 1e-6

@@ -29,6 +29,7 @@ host once per round, so this path is for the torch engine on a CPU, not for CUDA
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from torch import nn
 from omni_stream.engine.sampling import INVALID, sample
 from omni_stream.engine.step import KVCache, run_step
 from omni_stream.models.layers import DecoderStack
+
+log = logging.getLogger(__name__)
+LOG_EVERY = 1000  # frames between the acceptance lines in the log
 
 
 class FirstLayers(nn.Module):
@@ -151,6 +155,11 @@ class SpeculativeCodePredictor:
                 break
             h_full = hs[:, a]  # predicts code j: drawn at the top of the loop
         self.stats.frames += 1
+        if self.stats.frames % LOG_EVERY == 0:
+            log.info("speculative code prediction (%d draft layers, lookahead %d): %d frames, "
+                     "%.0f%% of drafts accepted, %.1f passes per frame (plain: %d sub-steps)",
+                     self.draft_layers, self.lookahead, self.stats.frames,
+                     100 * self.stats.acceptance, self.stats.passes_per_frame, n_codes)
         e.counter[:p] += n_codes
         ok = ((codes >= 0) & (codes < size)).all(dim=1, keepdim=True)  # validation at the source
         return torch.where(ok, codes, torch.full_like(codes, INVALID))

@@ -41,6 +41,7 @@ def stage_specs(s: PipelineSettings) -> dict[str, StageSpec]:
                             max_seq_len=s.max_seq_len, threads=s.talker_threads, device=s.device,
                             weight_path=s.weight_path, compile=s.compile, throttle=s.throttle,
                             cuda_graphs=s.cuda_graphs, engine=s.engine,
+                            speculative_cp=s.speculative_cp,
                             cpus=tuple(s.cpu_sets.get("talker", ())),
                             lent_cpus=tuple(s.cpu_sets.get("codec", ())) if s.lend_cores else ()),
         "codec": StageSpec(model_path=s.model_path, dtype=s.decode_dtype, max_slots=s.max_streams,

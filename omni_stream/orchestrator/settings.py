@@ -46,6 +46,9 @@ class PipelineSettings:
     cpu_sets: dict = field(default_factory=dict)  # stage ('talker'|'cp'|'codec') -> CPU ids
     cp_threads: int = 1
     lend_cores: bool = False  # codec's cores run talker runtime threads while it is idle
+    # (draft layers, lookahead): the code predictor drafts and verifies (engine.speculative);
+    # the torch engine, placement together, no CUDA graphs
+    speculative_cp: tuple[int, int] | None = None
     # continuous text: a stream that gets no text for this long (and is not closed) fails with
     # 408 text_timeout, freeing its slot
     text_idle_timeout_s: float = 30.0
@@ -66,6 +69,14 @@ class PipelineSettings:
         if self.cuda_graphs and self.placement != "together":
             raise ValueError("cuda_graphs needs placement 'together' (with 'split' the code "
                              "predictor runs in another process, outside the graph)")
+        if self.speculative_cp is not None:
+            why = ("needs --engine torch (the native runtime predicts a frame's codes in one call)"
+                   if self.engine != "torch" else
+                   "needs placement 'together'" if self.placement != "together" else
+                   "cannot run inside CUDA graphs (it reads the accepted length on the host); "
+                   "set cuda_graphs false" if self.cuda_graphs else None)
+            if why:
+                raise ValueError(f"speculative code prediction {why}")
         if self.lend_cores:
             from omni_stream.edge.adapt import lend_cores_blocker
 
@@ -84,7 +95,7 @@ class PipelineSettings:
         key = [hardware_fingerprint(), str(self.model_path), _files_identity(self.model_path),
                self.dtype, self.decode_dtype, self.weight_path, self.compile, self.engine, self.max_streams,
                self.placement, self.talker_threads, self.codec_threads, self.cp_threads,
-               self.lend_cores, sorted((k, tuple(v)) for k, v in self.cpu_sets.items())]
+               self.lend_cores, self.speculative_cp, sorted((k, tuple(v)) for k, v in self.cpu_sets.items())]
         return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
     def cost_cache(self) -> CostCache:

@@ -31,6 +31,8 @@ class StageSpec:
     # which ``lends_cores``, is not decoding.
     lent_cpus: tuple[int, ...] = ()
     lends_cores: bool = False
+    # talker: (draft layers, lookahead) of speculative code prediction (engine.speculative)
+    speculative_cp: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.cuda_graphs and not self.device.startswith("cuda"):

@@ -396,6 +396,10 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
         if spec.compile:
             compile_engine(stage.engine)
         warm_up(stage.engine)  # compiles (or loads) the graphs; pages the packed weights in
+    if spec.speculative_cp:  # PipelineSettings checked engine, graphs and placement
+        from omni_stream.engine import speculative
+
+        speculative.enable(stage.engine, *spec.speculative_cp)
     if spec.cuda_graphs:  # StageSpec checked the device; the split placement is refused upstream
         assert cp_handles is None, "CUDA graphs need the code predictor in this process"
         stage.enable_graphs()
