@@ -563,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "while Code2Wav is idle (default: from the profile: on with the native "
                         "engine and pinned stages)")
     v.add_argument("--speculative-cp", default=None, metavar="LAYERS[:LOOKAHEAD]",
-                   help="speculative code prediction on the torch engine: a draft of the code "
+                   help="speculative code prediction: a draft of the code "
                         "predictor's first LAYERS layers proposes LOOKAHEAD codes (default 4), "
                         "the full predictor verifies them in one pass; the codes are the plain "
                         "path's for every seed (benchmarks/tts/results/speculative_bench.md)")

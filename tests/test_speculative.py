@@ -22,10 +22,13 @@ REQS = [
 FRAMES = 10
 
 
-def _codes(model, talker, params, spec=None):
-    """Frames of codes [slot][frame, G] for REQS (slot 2 left idle inside the batch)."""
+def _codes(model, talker, params, spec=None, native_kind=None):
+    """Frames of codes [slot][frame, G] for REQS (slot 2 left idle inside the batch); on the CPU
+    runtime with weight kind ``native_kind``, else on the torch engine."""
     builder = PromptBuilder(model.config, talker, model.tokenizer)
     eng = FrameEngine(talker, EngineShape(max_slots=3, max_seq_len=256))
+    if native_kind:
+        eng.use_native(native_kind, native_kind, threads=2)
     stats = speculative.enable(eng, *spec).stats if spec else None
     out = [[] for _ in REQS]
     with torch.inference_mode():
@@ -51,6 +54,21 @@ def test_speculative_codes_are_the_plain_paths(tiny_model, params, lookahead):
     assert 0 <= stats.accepted <= stats.drafted
 
 
+@pytest.mark.parametrize("params", [SamplingParams.greedy(), SamplingParams()], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["f32", "q4"])
+def test_on_the_cpu_runtime_the_codes_are_its_plain_frames(tiny_model, params, kind):
+    """The runtime's speculative frame (its stack step over the first layers as the draft, one
+    multi-token step per verification) gives exactly the codes of its one-call plain frame, with
+    exact and with 4-bit weights (each row's products do not depend on the rows beside it)."""
+    pytest.importorskip("omni_stream.engine.cpu.native")
+    talker = tiny_model.weights.talker
+    plain, _ = _codes(tiny_model, talker, params, native_kind=kind)
+    spec, stats = _codes(tiny_model, talker, params, (1, 3), native_kind=kind)
+    for a, b in zip(plain, spec):
+        np.testing.assert_array_equal(a, b)
+    assert stats.frames == FRAMES and stats.passes >= FRAMES
+
+
 @pytest.fixture(scope="module")
 def identity_tail_talker(tiny_model):
     """The tiny talker with its code predictor's last layer made the identity (its attention
@@ -73,6 +91,12 @@ def test_a_draft_equal_to_the_predictor_is_always_accepted(tiny_model, identity_
     for a, b in zip(plain, spec):
         np.testing.assert_array_equal(a, b)
     assert stats.acceptance == 1.0 and stats.passes_per_frame == 3.0
+    pytest.importorskip("omni_stream.engine.cpu.native")
+    native_spec, native_stats = _codes(tiny_model, identity_tail_talker, params, (1, 4), "f32")
+    native_plain, _ = _codes(tiny_model, identity_tail_talker, params, native_kind="f32")
+    for a, b in zip(native_plain, native_spec):
+        np.testing.assert_array_equal(a, b)
+    assert native_stats.acceptance == 1.0 and native_stats.passes_per_frame == 3.0
 
 
 def test_bad_settings_are_refused_by_name(tiny_model):
@@ -84,9 +108,6 @@ def test_bad_settings_are_refused_by_name(tiny_model):
     for look in (0, -3, 2.0):
         with pytest.raises(ValueError, match="lookahead"):
             speculative.enable(eng, 1, look)
-    eng.native = object()  # any native runner
-    with pytest.raises(ValueError, match="torch engine"):
-        speculative.enable(eng, 1)
 
 
 def _serve_args(*argv):
@@ -98,8 +119,8 @@ def _serve_args(*argv):
 def test_serve_flag_reaches_the_talker_stage_and_bad_values_are_refused(tiny_ckpt, monkeypatch,
                                                                         tmp_path):
     """``--speculative-cp LAYERS[:LOOKAHEAD]`` becomes the talker stage's (layers, lookahead),
-    checked against the checkpoint's code predictor; it is refused by name with the native
-    engine, the split placement and CUDA graphs."""
+    checked against the checkpoint's code predictor; it is refused by name with the split
+    placement and CUDA graphs."""
     from omni_stream.cli import pipeline_settings
     from omni_stream.edge.probe import load_profile
     from omni_stream.orchestrator import PipelineSettings
@@ -116,8 +137,6 @@ def test_serve_flag_reaches_the_talker_stage_and_bad_values_are_refused(tiny_ckp
     for bad in ("2", "0", "1:0", "x", "1:y", ""):  # the tiny code predictor has 2 layers
         with pytest.raises(ValueError, match="--speculative-cp"):
             pipeline_settings(_serve_args(*base, "--speculative-cp", bad), hw)
-    with pytest.raises(ValueError, match="--engine torch"):
-        PipelineSettings(model_path="m", engine="native", speculative_cp=(1, 4))
     with pytest.raises(ValueError, match="placement 'together'"):
         PipelineSettings(model_path="m", placement="split", speculative_cp=(1, 4))
     with pytest.raises(ValueError, match="CUDA graphs"):

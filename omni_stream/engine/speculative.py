@@ -23,7 +23,11 @@ each round accepts every matching draft plus one code of the full predictor's ow
 
 Rows of a batch move in lockstep: a round accepts the shortest run over the active rows (the
 other rows recompute the same draws in the next round). The accepted length is read on the
-host once per round, so this path is for the torch engine on a CPU, not for CUDA graphs.
+host once per round, so this path is not for CUDA graphs. It runs on the torch engine and on
+the CPU runtime (``engine/cpu``: its stack step, heads and projection, called per round; the
+runtime's draws are the torch sampler's). The draft is the predictor's own first layers, so it
+shares the predictor's KV cache: the keys and values of those layers at a position depend only
+on the inputs up to it, which both write alike.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from omni_stream.engine.sampling import INVALID, sample
-from omni_stream.engine.step import KVCache, run_step
+from omni_stream.engine.step import run_step
 from omni_stream.models.layers import DecoderStack
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,76 @@ class SpeculativeStats:
         return self.passes / self.frames if self.frames else 0.0
 
 
+class _TorchParts:
+    """The code predictor's pieces on the torch engine."""
+
+    def __init__(self, engine, draft_layers: int) -> None:
+        cpm = engine.talker.code_predictor
+        self.e, self.cpm = engine, cpm
+        self.full = cpm.model
+        self.draft = FirstLayers(cpm.model, draft_layers)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # [p, T, talker C] -> [p, T, C]
+        return self.cpm.small_to_mtp_projection(x)
+
+    def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
+        """Feed x [p, T, C] at positions start.. of cache rows [0, p) (attending positions <
+        start) -> normed hidden [p, T, C]."""
+        e = self.e
+        pos = torch.arange(start, start + x.shape[1], device=x.device).expand(p, -1)
+        return run_step(stack, e.cp_kv, e.cp_rope, x, pos, slice(0, p), e._arange[:p], start)
+
+    def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:  # head of code j -> fp32 [p, V]
+        return self.cpm.lm_head[j](h).float()
+
+    def embed(self, j: int, codes: torch.Tensor) -> torch.Tensor:  # code j's table -> [p, talker C]
+        return self.cpm.model.codec_embedding[j](codes)
+
+    def embed0(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.e.talker.codec_embed(codes)
+
+
+class _NativeParts:
+    """The same pieces on the CPU runtime: its stack step (the draft: a stack struct over the
+    first layers of the predictor's own), heads, projection and embedding tables."""
+
+    def __init__(self, engine, draft_layers: int) -> None:
+        from omni_stream.engine.cpu.native import OcStack
+
+        self.e, self.n = engine, engine.native
+        s = self.n.cp.struct
+        self.full = s
+        self.draft = OcStack(layers=draft_layers, hidden=s.hidden, heads=s.heads,
+                             kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn, eps=s.eps,
+                             layer=s.layer, norm=s.norm)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = self.n.linear(self.n.proj, flat) if self.n.proj is not None else flat.float()
+        return y.view(x.shape[0], x.shape[1], -1)
+
+    def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
+        import ctypes as C
+
+        n, t = self.n, x.shape[1]
+        h = x.reshape(p * t, -1).float().contiguous().clone()  # updated in place
+        slots = torch.arange(p, dtype=torch.int64).repeat_interleave(t)
+        pos = (start + torch.arange(t, dtype=torch.int64)).repeat(p)
+        n.lib.oc_stack_step(n.pool.handle, C.byref(stack), C.byref(n.cp.cache), p * t,
+                            slots.data_ptr(), pos.data_ptr(), n.cp_rope[0].data_ptr(),
+                            n.cp_rope[1].data_ptr(), h.data_ptr())
+        return h.view(p, t, -1)
+
+    def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.n.linear(self.n.cp_heads[j], h)
+
+    def embed(self, j: int, codes: torch.Tensor) -> torch.Tensor:
+        return self.n.tables[1 + j][codes].float()
+
+    def embed0(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.n.tables[0][codes].float()
+
+
 class SpeculativeCodePredictor:
     """Codes 1..G-1 of slots [0, p) by draft-and-verify (``FrameEngine.residual_fn``'s
     contract: [p, G-1] int64, INVALID in every column of a row with a draw outside the
@@ -81,48 +155,32 @@ class SpeculativeCodePredictor:
     draft proposes per round (>= 1)."""
 
     def __init__(self, engine, draft_layers: int, lookahead: int = 4) -> None:
-        if engine.native is not None:
-            raise ValueError("speculative code prediction runs on the torch engine; the native "
-                             "runtime predicts a frame's codes in one call (use --engine torch)")
-        cpm = engine.talker.code_predictor
-        n = cpm.model.cfg.num_hidden_layers
+        n = engine.talker.code_predictor.model.cfg.num_hidden_layers
         if not isinstance(draft_layers, int) or not 1 <= draft_layers < n:
             raise ValueError(f"draft_layers must be an integer in [1, {n - 1}] (the code "
                              f"predictor has {n} layers), got {draft_layers!r}")
         if not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         self.engine, self.draft_layers, self.lookahead = engine, draft_layers, lookahead
-        self.draft = FirstLayers(cpm.model, draft_layers)
-        cache = engine.cp_kv.layers[0][0]
-        self.draft_kv = KVCache(self.draft.cfg, engine.shape.max_slots, engine.cp_kv.length,
-                                cache.dtype, cache.device)
+        self.parts = (_NativeParts if engine.native is not None else _TorchParts)(engine, draft_layers)
         self.stats = SpeculativeStats()
 
-    def _step(self, stack, kv: KVCache, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
-        """Feed x [p, T, C] at positions start.. of ``stack``'s cache rows [0, p) (attending
-        positions < start) -> normed hidden [p, T, C]."""
-        e = self.engine
-        pos = torch.arange(start, start + x.shape[1], device=x.device).expand(p, -1)
-        return run_step(stack, kv, e.cp_rope, x, pos, slice(0, p), e._arange[:p], start)
-
     def __call__(self, p: int) -> torch.Tensor:
-        e = self.engine
-        cpm = e.talker.code_predictor
-        proj, heads, tables = cpm.small_to_mtp_projection, cpm.lm_head, cpm.model.codec_embedding
+        e, parts = self.engine, self.parts
         n_codes, size = e.cfg.num_code_groups - 1, e.codebook_size
         sp, cand, seed, c0 = e.cp_sp.rows(p), max(e._cand_cp[:p]), e.seed[:p], e.counter[:p]
         active = e.active[:p]
 
         def draw(h: torch.Tensor, j: int) -> torch.Tensor:  # code j from hidden [p, C]
-            return sample(heads[j](h).float(), sp, seed, c0 + j, cand)
+            return sample(parts.logits(j, h), sp, seed, c0 + j, cand)
 
         def embed(j: int, code: torch.Tensor) -> torch.Tensor:  # input for code j -> [p, 1, C]
-            return proj(tables[j](code.clamp(0, size - 1))).unsqueeze(1)
+            return parts.project(parts.embed(j, code.clamp(0, size - 1)).unsqueeze(1))
 
         code0 = e.last_code0[:p].clamp(0, e.cfg.lm.vocab_size - 1)
-        x = proj(torch.stack((e.last_hidden[:p], e.talker.codec_embed(code0)), dim=1))  # [p, 2, C]
-        h_full = self._step(cpm.model, e.cp_kv, x, 0, p)[:, -1]  # predicts code 0
-        self._step(self.draft, self.draft_kv, x, 0, p)
+        x = torch.stack((e.last_hidden[:p], parts.embed0(code0).to(e.last_hidden.dtype)), dim=1)
+        x = parts.project(x)  # [p, 2, C]
+        h_full = parts.run(parts.full, x, 0, p)[:, -1]  # predicts code 0 (and fills the draft's layers)
         codes = torch.empty(p, n_codes, dtype=torch.int64, device=x.device)
         j = 0
         while True:
@@ -134,12 +192,12 @@ class SpeculativeCodePredictor:
             inputs = [embed(j, codes[:, j])]
             drafts = []
             for m in range(n):
-                hd = self._step(self.draft, self.draft_kv, inputs[-1], j + 2 + m, p)[:, -1]
+                hd = parts.run(parts.draft, inputs[-1], j + 2 + m, p)[:, -1]
                 drafts.append(draw(hd, j + 1 + m))
                 if j + 1 + m < n_codes - 1:
                     inputs.append(embed(j + 1 + m, drafts[-1]))
             # the full predictor over [code j ++ drafts]: hidden m predicts code j+1+m
-            hs = self._step(cpm.model, e.cp_kv, torch.cat(inputs, dim=1), j + 2, p)
+            hs = parts.run(parts.full, torch.cat(inputs, dim=1), j + 2, p)
             same = torch.stack([draw(hs[:, m], j + 1 + m) == drafts[m] for m in range(n)], dim=1)
             run = same.long().cumprod(dim=1).sum(dim=1)  # leading matches per row
             a = int(run[active].min()) if bool(active.any()) else n
@@ -148,8 +206,6 @@ class SpeculativeCodePredictor:
             self.stats.accepted += a
             for m in range(a):
                 codes[:, j + 1 + m] = drafts[m]
-            if a == n and len(inputs) > n:  # all taken: the draft's cache needs the last one too
-                self._step(self.draft, self.draft_kv, inputs[n], j + 2 + n, p)
             j += 1 + a
             if j > n_codes - 1:
                 break

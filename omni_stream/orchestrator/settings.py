@@ -47,7 +47,7 @@ class PipelineSettings:
     cp_threads: int = 1
     lend_cores: bool = False  # codec's cores run talker runtime threads while it is idle
     # (draft layers, lookahead): the code predictor drafts and verifies (engine.speculative);
-    # the torch engine, placement together, no CUDA graphs
+    # placement together, no CUDA graphs
     speculative_cp: tuple[int, int] | None = None
     # continuous text: a stream that gets no text for this long (and is not closed) fails with
     # 408 text_timeout, freeing its slot
@@ -70,9 +70,7 @@ class PipelineSettings:
             raise ValueError("cuda_graphs needs placement 'together' (with 'split' the code "
                              "predictor runs in another process, outside the graph)")
         if self.speculative_cp is not None:
-            why = ("needs --engine torch (the native runtime predicts a frame's codes in one call)"
-                   if self.engine != "torch" else
-                   "needs placement 'together'" if self.placement != "together" else
+            why = ("needs placement 'together'" if self.placement != "together" else
                    "cannot run inside CUDA graphs (it reads the accepted length on the host); "
                    "set cuda_graphs false" if self.cuda_graphs else None)
             if why:
