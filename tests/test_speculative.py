@@ -22,9 +22,21 @@ REQS = [
 FRAMES = 10
 
 
+_PLAIN: dict = {}  # plain runs, computed once per (talker, params, runtime kind)
+
+
 def _codes(model, talker, params, spec=None, native_kind=None):
     """Frames of codes [slot][frame, G] for REQS (slot 2 left idle inside the batch); on the CPU
     runtime with weight kind ``native_kind``, else on the torch engine."""
+    if spec is None:
+        key = (id(talker), params, native_kind)
+        if key not in _PLAIN:
+            _PLAIN[key] = _run(model, talker, params, None, native_kind)
+        return _PLAIN[key]
+    return _run(model, talker, params, spec, native_kind)
+
+
+def _run(model, talker, params, spec, native_kind):
     builder = PromptBuilder(model.config, talker, model.tokenizer)
     eng = FrameEngine(talker, EngineShape(max_slots=3, max_seq_len=256))
     if native_kind:
