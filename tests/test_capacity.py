@@ -197,3 +197,22 @@ def test_cost_cache_roundtrip_and_rejects_foreign_or_broken_files(tmp_path):
                                  ).replace("NaN", '"x"'))
     assert a.load() is None
     assert a.invalidate() and not a.invalidate()
+
+
+def test_bandwidth_drift_measures_again_past_the_threshold():
+    """Cached costs are measured again when this start's read bandwidth differs from theirs by
+    more than BANDWIDTH_DRIFT, up or down; a missing or zero figure on either side never counts
+    as drift (nothing to compare)."""
+    from omni_stream.orchestrator.costs import BANDWIDTH_DRIFT, bandwidth_drifted
+
+    cached = MachineCosts(frame_s=(0.05,), codec_call_s=0.01, codec_frame_s=0.005,
+                          bandwidth_gbs=20.0)
+    inside, outside = 20.0 * (1 + 0.99 * BANDWIDTH_DRIFT), 20.0 * (1 + 1.01 * BANDWIDTH_DRIFT)
+    assert not bandwidth_drifted(cached, {"bandwidth_gbs": inside})
+    assert not bandwidth_drifted(cached, {"bandwidth_gbs": 20.0 * (1 - 0.99 * BANDWIDTH_DRIFT)})
+    assert bandwidth_drifted(cached, {"bandwidth_gbs": outside})
+    assert bandwidth_drifted(cached, {"bandwidth_gbs": 20.0 * (1 - 1.01 * BANDWIDTH_DRIFT)})
+    assert not bandwidth_drifted(cached, {})
+    assert not bandwidth_drifted(cached, {"bandwidth_gbs": 0.0})
+    unknown = MachineCosts(frame_s=(0.05,), codec_call_s=0.01, codec_frame_s=0.005)
+    assert not bandwidth_drifted(unknown, {"bandwidth_gbs": 9.0})

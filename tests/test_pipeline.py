@@ -285,8 +285,14 @@ def test_measured_costs_cached_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     from omni_stream.cli import build_parser, pipeline_settings
     from omni_stream.scheduling.capacity import MachineCosts, chunk_policy
 
+    from omni_stream.orchestrator import costs as oc
+
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OMNI_STREAM_EMULATE_COSTS", raising=False)
+    # the subject is the cache per deployment: a busy host's bandwidth swinging past the drift
+    # threshold between the two starts (seen under a parallel benchmark: 24.8 -> 12.0 GB/s)
+    # would rightly measure again (test_bandwidth_drift_measures_again_past_the_threshold)
+    monkeypatch.setattr(oc, "BANDWIDTH_DRIFT", float("inf"))
 
     async def serve_once(settings):
         backend = PipelineBackend(settings)
