@@ -301,3 +301,43 @@ def test_a_part_in_bf16_streams_beside_an_fp32_state(codes, part) -> None:
     snr = lambda x, r: float(10 * torch.log10(r.pow(2).sum() / (x - r).pow(2).sum()))  # noqa: E731
     assert snr(streamed, one_pass) >= 30  # bf16 rounding differs by chunk (code2wav_precision)
     assert 20 <= snr(one_pass, full) < 100  # the part really ran in bf16
+
+
+def test_codec_stage_kernels_give_one_stream_the_same_bits_for_any_chunks_and_batch() -> None:
+    """At the released widths, the codec stage's bf16 decode (packed weights, the runtime's
+    Snake) of one stream is bit-identical whatever chunks its frames come in and whichever
+    streams share its calls: every product's rows, the attention per query and the Snake per
+    value are computed alike at any chunk length (``windowed_attend``, the quantizer's per-row
+    projection, the kernel's masked tail). Plain bf16 torch kernels differ by chunk (~30 dB)."""
+    pytest.importorskip("omni_stream.engine.cpu.native")
+    from omni_stream.checkpoints.presets import _CODEC_RELEASED
+    from omni_stream.engine.cpu.native import snake_kernel
+
+    cfg = Code2WavConfig(**{k: v for k, v in _CODEC_RELEASED.items()
+                            if k in Code2WavConfig.__dataclass_fields__})
+    m = Code2Wav(cfg).eval()
+    m.load_state_dict(random_code2wav_state_dict(cfg, seed=1), strict=True)
+    m = m.bfloat16()
+    if not m.pack(snake=snake_kernel()):
+        pytest.skip("oneDNN's packed bf16 kernels are not available here")
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, cfg.codebook_size, (2, cfg.num_quantizers, 18), generator=g)
+
+    def stream(plan, with_other: bool) -> torch.Tensor:
+        s, out, a = Code2WavStream(m, 3), [], 0
+        if with_other:  # another stream, 3 frames ahead, shares every call
+            s.decode([2], codes[1:, :, :3])
+        for n in plan:
+            if with_other and a + n + 3 <= codes.shape[2]:
+                y = s.decode([0, 2], torch.cat([codes[:1, :, a:a + n], codes[1:, :, a + 3:a + 3 + n]]))
+            else:
+                y = s.decode([0], codes[:1, :, a:a + n])
+            out.append(y[0])
+            a += n
+        return torch.cat(out)
+
+    with torch.inference_mode():
+        ref = stream([4] * 4 + [2], False)
+        for plan, other in (([1, 2, 3, 5, 7], False), ([18], False), ([3, 5, 2, 6, 2], True)):
+            got = stream(plan, other)
+            assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (plan, other)

@@ -43,13 +43,30 @@ def _pcm(url: str, **extra) -> np.ndarray:
         return np.frombuffer(r.read(), dtype=np.int16).astype(np.int64)
 
 
-def test_exact_codec_gives_one_audio_for_any_chunk_plan(server):
+@pytest.fixture(scope="module")
+def bf16_server(tiny_ckpt):
+    """The CPU default: language models and Code2Wav in bf16 (the codec stage's kernels)."""
+    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.server.app import start_server
+
+    backend = PipelineBackend(PipelineSettings(
+        model_path=str(tiny_ckpt), dtype="bfloat16", max_streams=2, max_seq_len=512,
+        queue_timeout_s=60, schedule=ChunkPolicy(first=1, steady=4)))
+    with serving_in_thread(lambda: start_server(backend, "127.0.0.1", 0), timeout=300) as url:
+        yield url
+
+
+@pytest.mark.parametrize("which", ["server", "bf16_server"])
+def test_one_audio_for_any_chunk_plan(which, request):
     """Two seeded requests whose first chunks differ (1 and 3 frames: every later chunk
-    boundary moves too) give the same samples (within 1 LSB) from the fp32 codec."""
-    a, b = _pcm(server, initial_codec_chunk_frames=1), _pcm(server, initial_codec_chunk_frames=3)
+    boundary moves too) give the same samples: to 1 LSB from the fp32 codec, bit for bit from
+    the bf16 one (its kernels compute each value alike at any chunk length;
+    tests/test_code2wav.py checks that at the released widths)."""
+    url = request.getfixturevalue(which)
+    a, b = _pcm(url, initial_codec_chunk_frames=1), _pcm(url, initial_codec_chunk_frames=3)
     assert len(a) == len(b) > 0 and len(a) % 1920 == 0
-    assert int(np.abs(a - b).max()) <= 1
-    assert snr_db(torch.from_numpy(a).double(), torch.from_numpy(b).double()) >= 60
+    assert int(np.abs(a - b).max()) <= (1 if which == "server" else 0)
 
 
 def test_client_side_decode_equals_the_exact_codec_server(server, tiny_ckpt, tmp_path, capsys):

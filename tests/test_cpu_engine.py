@@ -365,6 +365,35 @@ def test_snake_kernel_rounds_like_float64_over_a_million_values_and_edges():
         snake(x.float(), alpha, inv_beta)
 
 
+def test_snake_kernel_value_depends_on_the_input_alone_not_its_place_in_the_row():
+    """Each output is the same bits wherever its input sits: in a row of any length (full
+    vectors and the masked last one alike), at any offset, and beside lanes that take the exact
+    fallback (huge, inf, NaN): the same stream decoded in other chunks gives the same audio."""
+    snake = native.snake_kernel()
+    g = torch.Generator().manual_seed(3)
+    c, t = 3, 97
+    x = (torch.randn(1, c, t, generator=g) * 4).bfloat16()
+    x[0, 1, 10], x[0, 1, 40], x[0, 2, 33] = float("nan"), 1e6, float("-inf")  # fallback lanes
+    alpha, inv_beta = torch.tensor([0.5, 3.0, 17.0]), torch.tensor([1.0, 0.3, 2.5])
+    whole = snake(x, alpha, inv_beta)
+    for lo, hi in ((0, 1), (0, 5), (3, 19), (16, 32), (15, 48), (31, 97), (90, 97), (41, 42)):
+        part = snake(x[:, :, lo:hi].contiguous(), alpha, inv_beta)
+        assert torch.equal(part.view(torch.int16), whole[:, :, lo:hi].view(torch.int16)), (lo, hi)
+    # 64 channels x 11,270 values as Code2Wav feeds them (alpha ~ 1): long rows against the same
+    # values cut into rows of 7 (all in a last, partial vector) and of 23 (one full and one
+    # partial); an std::sin tail differs from the vector polynomial on ~4 in 100,000 of these
+    c, n = 64, 7 * 23 * 70
+    g = torch.Generator().manual_seed(3)  # the old kernel (an std::sin tail) failed these
+    many = torch.randn(1, c, n, generator=g).bfloat16()
+    al = torch.exp(0.1 * torch.randn(c, generator=g))
+    ib = 1 / (torch.exp(0.1 * torch.randn(c, generator=g)) + 1e-9)
+    ref = snake(many, al, ib).view(torch.int16)
+    for k in (7, 23):
+        cut = snake(many.reshape(1, -1, k).contiguous(), al.repeat_interleave(n // k).contiguous(),
+                    ib.repeat_interleave(n // k).contiguous())
+        assert torch.equal(cut.view(torch.int16).reshape(ref.shape), ref), k
+
+
 # ------------------------------------------------------------------------------ lent cores
 def test_lent_threads_never_change_the_codes(tiny_model):
     """A pool with a thread on a lent core gives the codes of one thread, whether the owner

@@ -105,8 +105,7 @@ class DeployProfile:
     dtype: str = "float32"
     # Code2Wav's dtype; None: the same as ``dtype``. Apart from the language models' because its
     # precision is what the listener hears and what client-side decoders must match: fp32 is
-    # exact and the same at any chunk plan, bf16 ~28 dB from it and chunk-plan dependent
-    # (benchmarks/tts/results/code2wav_precision*.json)
+    # exact, bf16 ~28-30 dB from it (benchmarks/tts/results/code2wav_precision*.json)
     codec_dtype: str | None = None
     weight_path: str = "fp32"
     fidelity_first: bool = False  # keep exact (bf16/fp32) weights even where int8 is faster
@@ -509,11 +508,11 @@ def profile_notes(profile: DeployProfile) -> list[str]:
     notes = []
     if (profile.codec_dtype or profile.dtype) == "bfloat16" and profile.device == "cpu":
         notes.append("Code2Wav decodes in bf16: its audio is ~28-30 dB from the fp32 decode of "
-                     "the same codes and depends on the chunk plan (two plans of one stream ~30-37 "
-                     "dB apart); mixed fp32/bf16 splits reach 35-39 dB at most of bf16's cost "
-                     "(benchmarks/tts/results/code2wav_precision.json). An fp32 decode costs about "
-                     "twice bf16's per frame on a CPU core. --codec-dtype fp32 for the exact "
-                     "decode (chunk-plan invariant, equal to client-side decoders) at that cost.")
+                     "the same codes (the same bits at any chunk plan); mixed fp32/bf16 splits "
+                     "reach 35-39 dB at most of bf16's cost (benchmarks/tts/results/"
+                     "code2wav_precision.json). An fp32 decode costs about twice bf16's per frame "
+                     "on a CPU core. --codec-dtype fp32 for the exact decode (what client-side "
+                     "decoders match) at that cost.")
     fid = PATH_FIDELITY.get((profile.engine, profile.weight_path))
     if fid is not None:
         def figs(tag: str) -> str:

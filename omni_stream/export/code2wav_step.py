@@ -39,6 +39,8 @@ class ExplicitState(_Step):
     want. ``ring``: the next key/value state is only this call's entries (the runtime writes
     them into their ring slot) instead of the window shifted by them; one frame per call."""
 
+    windowed = False  # the exported graphs keep ``attend`` (their runtimes' kernels, fp32)
+
     def __init__(self, pos: Tensor | None, keys: list[Tensor], values: list[Tensor],
                  tails: list[Tensor], keys_transposed: bool = False, ring: bool = False) -> None:
         self.pos, self.keys, self.values, self.tails = pos, list(keys), list(values), list(tails)

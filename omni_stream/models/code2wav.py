@@ -6,7 +6,11 @@ a prefix of the codes decodes to a prefix of the audio. ``Code2WavStream`` uses 
 the new frames of each stream: per batch slot it keeps every causal conv's last input samples, each
 block transposed conv's previous input column, and per transformer layer the rotated keys and the
 values of the last ``sliding_window - 1`` frames plus the absolute frame position. Streamed output
-equals the one-pass decode at any chunking, to float rounding.
+equals the one-pass decode at any chunking, to float rounding. With the packed kernels
+(``pack``) a stream's streamed output is moreover the same bits at any chunking and batch:
+every streaming product treats a frame's rows alike whatever else the call holds (each query
+attends its own window in a product of fixed shape, the quantizer projects row by row, the
+Snake kernel has no scalar tail), so in bf16 a request does not sound different by timing.
 
 Parameter names equal the official ``Qwen3TTSTokenizerV2Decoder`` state_dict keys with the
 ``decoder.`` prefix stripped, so a checkpoint loads strictly (``load_state_dict(sd, strict=True)``).
@@ -119,7 +123,7 @@ class Code2Wav(nn.Module):
              sin: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         """[B, Q, T] -> [B, T*spf]. ``cos``/``sin``/``mask``: the transformer's rotary angles and
         mask when the caller computes them (``DecoderTransformer.forward``); else derived here."""
-        h = self.quantizer.decode(codes)  # [B, codebook_dim, T]
+        h = self.quantizer.decode(codes, rows=step is not None)  # [B, codebook_dim, T]
         h = self.pre_conv(h, step).transpose(1, 2)  # [B, T, latent]
         h = self.pre_transformer(h, step, cos, sin, mask).transpose(1, 2)  # [B, latent, T]
         for blocks in self.upsample:

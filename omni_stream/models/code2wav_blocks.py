@@ -67,6 +67,9 @@ class _Step:
     state: Code2WavState
     idx: Tensor  # [s] int64 slot index per batch row
     keys_transposed = False  # past keys as [s, H_kv, D, W-1] (NPU graphs) instead of [.., W-1, D]
+    # each query attends its own window of W keys in a product of fixed shape
+    # (``windowed_attend``): a query's output is then the same whatever the chunk it came in
+    windowed = True
 
     def advance(self, t: int) -> Tensor:
         """The selected slots' positions [s] before this call's ``t`` frames; moves them on."""
@@ -340,9 +343,37 @@ class SlidingWindowAttention(nn.Module):
         past_k = past_v = None
         if step is not None:  # keys/values are [window-1 cached ++ T new]; keep the last W-1
             past_k, past_v = step.kv(self.layer_id, k, v, self.cache_len)
-        o = attend(q, k, v, past_k, past_v, mask, self.head_dim ** -0.5,
-                   keys_transposed=step is not None and step.keys_transposed)
+        if step is not None and step.windowed:
+            o = windowed_attend(q, k, v, past_k, past_v, mask, self.head_dim ** -0.5)
+        else:
+            o = attend(q, k, v, past_k, past_v, mask, self.head_dim ** -0.5,
+                       keys_transposed=step is not None and step.keys_transposed)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def windowed_attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor,
+                    mask: Tensor, scale: float) -> Tensor:
+    """Sliding-window attention of T new queries, each over exactly its own window: the W-1
+    keys before it and itself (``W = past + 1``), as one product of fixed shape per query.
+
+    q [B, H, T, D]; k, v [B, Hkv, T, D] new; past_k, past_v [B, Hkv, W-1, D]; mask [B, 1, T,
+    W-1+T] additive over [past ++ new]. ``attend`` computes the same over [past ++ new] at
+    once, so how many queries share a call (the chunk plan) changes the shapes of its
+    products and softmax, hence their rounding; in bf16 that rounding then grows through the
+    decoder (two chunk plans of one stream ~30 dB apart). Here each query's scores, softmax
+    and weighted sum have the same shapes at any T. Returns [B, H, T, D]."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    g, w = h // hkv, past_k.shape[2] + 1
+    kw = torch.cat((past_k, k), dim=2).unfold(2, w, 1)  # [B, Hkv, T, D, W]: query t's keys
+    vw = torch.cat((past_v, v), dim=2).unfold(2, w, 1)
+    qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
+    scores = torch.matmul(qg, kw) * scale  # [B, Hkv, T, G, W]
+    mw = mask.unfold(-1, w, 1).diagonal(dim1=2, dim2=3)  # [B, 1, W, T]: query t's window
+    scores = scores + mw.permute(0, 1, 3, 2).unsqueeze(3)
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(p, vw.transpose(-1, -2))  # [B, Hkv, T, G, D]
+    return out.transpose(2, 3).reshape(b, h, t, d)
 
 
 class TransformerLayer(nn.Module):
@@ -438,10 +469,14 @@ class ResidualVQ(nn.Module):
         self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
         self.vq = _VQStack(n_q, size, dim)
 
-    def decode(self, codes: Tensor) -> Tensor:  # [B, K, T] -> [B, io_dim, T]
+    def decode(self, codes: Tensor, rows: bool = False) -> Tensor:  # [B, K, T] -> [B, io_dim, T]
+        """``rows``: project each frame as a row of one product (streaming: the conv kernel's
+        algorithm, hence its rounding, depends on the length T, i.e. on the chunk plan)."""
         q = self.vq.layers[0]._codebook.decode(codes[:, 0])
         for k in range(1, codes.shape[1]):
             q = q + self.vq.layers[k]._codebook.decode(codes[:, k])
+        if rows:
+            return F.linear(q, self.output_proj.weight[:, :, 0]).transpose(1, 2)
         return self.output_proj(q.transpose(1, 2))
 
 
@@ -454,5 +489,5 @@ class SplitResidualVQ(nn.Module):
         self.rvq_first = ResidualVQ(1, cfg.codebook_size, dim, cfg.codebook_dim)
         self.rvq_rest = ResidualVQ(cfg.num_quantizers - 1, cfg.codebook_size, dim, cfg.codebook_dim)
 
-    def decode(self, codes: Tensor) -> Tensor:  # [B, Q, T] -> [B, codebook_dim, T]
-        return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
+    def decode(self, codes: Tensor, rows: bool = False) -> Tensor:  # [B, Q, T] -> [B, codebook_dim, T]
+        return self.rvq_first.decode(codes[:, :1], rows) + self.rvq_rest.decode(codes[:, 1:], rows)

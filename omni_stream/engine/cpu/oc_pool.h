@@ -25,7 +25,7 @@
 #define OC_PAUSE() std::this_thread::yield()
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define OC_VNNI 1
 #else
 #define OC_VNNI 0
