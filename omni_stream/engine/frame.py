@@ -336,16 +336,11 @@ class FrameEngine:
             cos, sin = self.cp_rope(torch.arange(g, device=self.device).unsqueeze(0), x.dtype)
             h, _ = cpm.model(x, cos, sin, step_mask(None, 0, g, x.dtype, self.device), None)
             return torch.stack([cpm.lm_head[j](h[0, j + 1]) for j in range(g - 1)]).float()
-        import ctypes as C
-
         n, slot, x, out = self.native, self.shape.max_slots - 1, x.float(), []
         for a, b in [(0, 2)] + [(j, j + 1) for j in range(2, g)]:  # the calls cp_frame makes
-            h = n.linear(n.proj, x[a:b]) if n.proj is not None else x[a:b].clone()
+            h = n.linear(n.proj, x[a:b]) if n.proj is not None else x[a:b]
             slots, pos = torch.full((b - a,), slot, dtype=torch.int64), torch.arange(a, b)
-            n.lib.oc_stack_step(n.pool.handle, C.byref(n.cp.struct), C.byref(n.cp.cache), b - a,
-                                slots.data_ptr(), pos.data_ptr(), n.cp_rope[0].data_ptr(),
-                                n.cp_rope[1].data_ptr(), h.data_ptr())
-            out.append(h[-1:])
+            out.append(n.cp_step(h, slots, pos)[-1:])
         return torch.cat([n.linear(n.cp_heads[j], out[j]) for j in range(g - 1)])
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:

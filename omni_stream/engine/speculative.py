@@ -127,16 +127,10 @@ class _NativeParts:
         return y.view(x.shape[0], x.shape[1], -1)
 
     def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
-        import ctypes as C
-
-        n, t = self.n, x.shape[1]
-        h = x.reshape(p * t, -1).float().contiguous().clone()  # updated in place
+        t = x.shape[1]
         slots = torch.arange(p, dtype=torch.int64).repeat_interleave(t)
         pos = (start + torch.arange(t, dtype=torch.int64)).repeat(p)
-        n.lib.oc_stack_step(n.pool.handle, C.byref(stack), C.byref(n.cp.cache), p * t,
-                            slots.data_ptr(), pos.data_ptr(), n.cp_rope[0].data_ptr(),
-                            n.cp_rope[1].data_ptr(), h.data_ptr())
-        return h.view(p, t, -1)
+        return self.n.cp_step(x.reshape(p * t, -1), slots, pos, stack).view(p, t, -1)
 
     def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:
         return self.n.linear(self.n.cp_heads[j], h)

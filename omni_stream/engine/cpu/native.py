@@ -727,13 +727,22 @@ class NativeRunner:
     def talker_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows x [m, C] (token of slot slots[r] at position pos[r], attending the slot's cache
         [0, pos[r]]) -> normed hidden [m, C] fp32; writes their K/V into the engine's cache."""
-        h = x.detach().float().contiguous().clone()
+        return self.stack_step(self.talker.struct, self.talker.cache, self.talker_rope, x, slots, pos)
+
+    def cp_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                stack: OcStack | None = None) -> torch.Tensor:
+        """``talker_step`` for the code predictor's stack (its inputs already projected), or
+        for ``stack``, a struct over its first layers (``engine.speculative``), on its cache."""
+        return self.stack_step(stack or self.cp.struct, self.cp.cache, self.cp_rope, x, slots, pos)
+
+    def stack_step(self, stack: OcStack, cache: OcCache, rope: tuple[torch.Tensor, torch.Tensor],
+                   x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = x.detach().float().contiguous().clone()  # the runtime updates it in place
         slots = slots.to(torch.int64).contiguous()
         pos = pos.to(torch.int64).contiguous()
-        self.lib.oc_stack_step(self.pool.handle, C.byref(self.talker.struct),
-                               C.byref(self.talker.cache), h.shape[0], slots.data_ptr(),
-                               pos.data_ptr(), self.talker_rope[0].data_ptr(),
-                               self.talker_rope[1].data_ptr(), h.data_ptr())
+        self.lib.oc_stack_step(self.pool.handle, C.byref(stack), C.byref(cache), h.shape[0],
+                               slots.data_ptr(), pos.data_ptr(), rope[0].data_ptr(),
+                               rope[1].data_ptr(), h.data_ptr())
         return h
 
     def linear(self, packed: PackedLinear, x: torch.Tensor) -> torch.Tensor:
