@@ -107,11 +107,11 @@ def _check_session(ev: dict, decoder: FrameDecoder) -> list[str]:
         raise ClientError("the server does not announce its codec, so the local decoder cannot "
                           f"be checked against it: update the server or {USE_SERVER}")
     decoder.check_server(codec, session.get("model", ""))
-    dtype = codec.get("decode_dtype", "float32")
-    if dtype != "float32":
-        return [f"the server decodes in {dtype} and the {decoder.name} decoder here in float32: "
-                f"the audio differs from --decoder-backend server by {dtype} rounding (this "
-                "side is the closer one to the fp32 reference)"]
+    dtype, here = codec.get("decode_dtype", "float32"), getattr(decoder, "dtype", "float32")
+    if dtype != here:
+        closer = " (this side is the closer one to the fp32 reference)" if here == "float32" else ""
+        return [f"the server decodes in {dtype} and the {decoder.name} decoder here in {here}: "
+                f"the audio differs from --decoder-backend server by that rounding{closer}"]
     return []
 
 

@@ -84,12 +84,18 @@ class TorchDecoder(FrameDecoder):
     """Eager streaming Code2Wav from a checkpoint folder (``speech_tokenizer/``)."""
 
     name = "torch"
+    DTYPES = ("auto", "float32", "bfloat16")
 
-    def __init__(self, model_dir: str | Path, threads: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, threads: int | None = None, dtype: str = "auto") -> None:
+        """``dtype``: ``auto`` decodes in the dtype the server announces (bf16 with the codec
+        stage's kernels: the server's samples where the CPU is of the same kind), else
+        ``float32`` (the exact decode) or ``bfloat16``."""
         from omni_stream.export.manifest import codec_identity
         from omni_stream.checkpoints.io import CheckpointError, load_codec
         from omni_stream.models.code2wav import Code2WavStream
 
+        if dtype not in self.DTYPES:
+            raise DecoderError(f"unknown decoder dtype {dtype!r}: use auto, float32 or bfloat16")
         if threads:
             torch.set_num_threads(threads)
         try:
@@ -98,9 +104,25 @@ class TorchDecoder(FrameDecoder):
         except CheckpointError as e:
             raise DecoderError(f"--decoder-backend torch: {e}: pass --codec-model with the "
                                "checkpoint folder the server runs") from e
-        self.source = str(model_dir)
+        self.source, self.choice, self.dtype = str(model_dir), dtype, "float32"
         self._stream_cls = Code2WavStream
+        if dtype == "bfloat16":
+            self._use(dtype)
         self.reset()
+
+    def check_server(self, announced: Mapping[str, Any], server_model: str = "") -> None:
+        super().check_server(announced, server_model)
+        want = announced.get("decode_dtype")  # absent from the per-utterance checks
+        if self.choice == "auto" and want in self.DTYPES and want != self.dtype:
+            self._use(want)
+            self.reset()
+
+    def _use(self, dtype: str) -> None:
+        from omni_stream.checkpoints.io import load_codec
+        from omni_stream.stages.codec_stage import stage_kernels
+
+        self.model = stage_kernels(load_codec(self.source, dtype=getattr(torch, dtype)).eval())
+        self.dtype = dtype
 
     def reset(self) -> None:
         with torch.inference_mode():
@@ -161,11 +183,12 @@ class ProgramDecoder(FrameDecoder):
 
 
 def make_decoder(backend: str, manifest: str | None = None, codec_model: str | None = None,
-                 threads: int | None = 1) -> FrameDecoder:
+                 threads: int | None = 1, dtype: str = "auto") -> FrameDecoder:
     """The client's ``--decoder-backend`` (torch | executorch) as a decoder, or a DecoderError
     naming the missing option. ``threads`` defaults to 1: one stream decodes in real time on
     one core, and a second OpenMP thread on a busy machine stalls at every barrier (measured:
-    torch at 2 threads next to a busy core ran 10x slower than at 1)."""
+    torch at 2 threads next to a busy core ran 10x slower than at 1). ``dtype``: the torch
+    backend's (``TorchDecoder``)."""
     if backend == "executorch":
         if not manifest:
             raise DecoderError("--decoder-backend executorch needs --pte-manifest PATH (from "
@@ -175,5 +198,5 @@ def make_decoder(backend: str, manifest: str | None = None, codec_model: str | N
         if not codec_model:
             raise DecoderError("--decoder-backend torch needs --codec-model DIR: the checkpoint "
                                "folder the server runs (its speech_tokenizer/ is loaded)")
-        return TorchDecoder(codec_model, threads=threads)
+        return TorchDecoder(codec_model, threads=threads, dtype=dtype)
     raise DecoderError(f"unknown decoder backend '{backend}': use server, torch or executorch")

@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="executorch backend: manifest.json from `omni-stream export-decoder`")
     ap.add_argument("--codec-model", default=None,
                     help="torch backend: the checkpoint folder the server runs")
+    ap.add_argument("--decoder-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="torch backend: auto decodes in the dtype the server announces (bf16 "
+                         "with the server's CPU kernels: its samples on the same kind of CPU); "
+                         "fp32 is the exact decode")
     ap.add_argument("--decoder-threads", type=int, default=1,
                     help="threads of the local decoder (torch / executorch backends)")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
             try:  # before connecting: a missing or corrupt program fails without a request
                 decoder = make_decoder(a.decoder_backend, a.pte_manifest, a.codec_model,
-                                       a.decoder_threads)
+                                       a.decoder_threads,
+                                       {"fp32": "float32", "bf16": "bfloat16"}.get(a.decoder_dtype, "auto"))
             except DecoderError as e:
                 raise ClientError(str(e)) from e
         if a.continuous and decoder is not None:

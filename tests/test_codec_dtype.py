@@ -87,3 +87,28 @@ def test_client_side_decode_equals_the_exact_codec_server(server, tiny_ckpt, tmp
     assert len(ref) == len(got) > 0
     assert int(np.abs(got - ref).max()) <= 1
     assert snr_db(torch.from_numpy(ref).double(), torch.from_numpy(got).double()) >= 60
+
+
+@pytest.mark.parametrize("dtype,equal", [("auto", True), ("fp32", False)])
+def test_client_torch_decoder_follows_the_servers_bf16_decode(bf16_server, tiny_ckpt, tmp_path,
+                                                              capsys, dtype, equal):
+    """Against a bf16 server (the CPU default), ``--decoder-backend torch`` decodes in the
+    announced bf16 with the codec stage's kernels and writes the server's samples, bit for bit,
+    with no note; ``--decoder-dtype fp32`` decodes exactly and says how it differs."""
+    wavs = {}
+    for backend, extra in (("server", ()), ("torch", ("--codec-model", str(tiny_ckpt),
+                                                      "--decoder-dtype", dtype))):
+        out = tmp_path / f"{backend}.wav"
+        rc = client_main(["--url", bf16_server, "--text", TEXT, "--voice", "ryan", "--language",
+                          "english", "--max-new-tokens", "24", "--seed", "5", "--out", str(out),
+                          "--decoder-backend", backend, *extra])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        wavs[backend] = sf.read(out, dtype="int16")[0].astype(np.int64)
+    assert ("differs from --decoder-backend server" in err) == (not equal)
+    ref, got = wavs["server"], wavs["torch"]
+    assert len(ref) == len(got) > 0
+    if equal:
+        assert np.array_equal(ref, got)
+    else:
+        assert not np.array_equal(ref, got)

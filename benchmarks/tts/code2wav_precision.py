@@ -190,10 +190,11 @@ def _stage_kernels(model_path: str):
     """What the codec stage runs on a CPU: bf16, packed weights, the one-pass Snake (None where
     oneDNN's packing is unavailable)."""
     from omni_stream.checkpoints.io import load_codec
-    from omni_stream.stages.codec_stage import _snake_kernel
+    from omni_stream.models.code2wav_blocks import onednn_packing_available
+    from omni_stream.stages.codec_stage import stage_kernels
 
     m = load_codec(model_path, dtype=torch.bfloat16)
-    return m if m.pack(snake=_snake_kernel(m)) else None
+    return stage_kernels(m) if onednn_packing_available(m.pre_conv.conv.weight) else None
 
 
 if __name__ == "__main__":

@@ -368,8 +368,8 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
 
     inp = frames_handle.open()
     out = audio_handle.open()
-    model = load_codec(spec.model_path, dtype=getattr(torch, spec.dtype), device=spec.device)
-    model.pack(snake=_snake_kernel(model))  # bf16 on CPU: weights packed once, one-pass Snake
+    model = stage_kernels(load_codec(spec.model_path, dtype=getattr(torch, spec.dtype),
+                                     device=spec.device))
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
     if spec.device == "cpu":
         log.info("codec warm-up: %.1f s", stage.warm_up())
@@ -391,6 +391,15 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
         stepstats.dump()
         inp.close()
         out.close()
+
+
+def stage_kernels(model: Code2Wav) -> Code2Wav:
+    """``model`` set up to run as the codec stage runs it: on a CPU in bf16, weights packed once
+    and the runtime's one-pass Snake (the kernels whose output is the same bits at any chunk
+    plan); unchanged elsewhere. A client decoding on the same kind of CPU with it gets the
+    stage's samples."""
+    model.pack(snake=_snake_kernel(model))
+    return model
 
 
 def _snake_kernel(model: Code2Wav):
