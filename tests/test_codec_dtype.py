@@ -69,21 +69,26 @@ def test_one_audio_for_any_chunk_plan(which, request):
     assert int(np.abs(a - b).max()) <= (1 if which == "server" else 0)
 
 
+def _client_wav(url: str, tmp_path, capsys, backend: str, *extra: str) -> tuple[np.ndarray, str]:
+    """The seeded request through ``omni-stream-client --decoder-backend backend``: its wav
+    samples (int64) and what the client printed on stderr."""
+    out = tmp_path / f"{backend}.wav"
+    rc = client_main(["--url", url, "--text", TEXT, "--voice", "ryan", "--language", "english",
+                      "--max-new-tokens", "24", "--seed", "5", "--out", str(out),
+                      "--decoder-backend", backend, *extra])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    return sf.read(out, dtype="int16")[0].astype(np.int64), err
+
+
 def test_client_side_decode_equals_the_exact_codec_server(server, tiny_ckpt, tmp_path, capsys):
     """`--decoder-backend torch` (fp32, on the client) writes the wav the server decodes itself
     when the server's codec runs in fp32 beside bf16 language models; the server announces the
     fp32 decode, so the client notes nothing."""
-    wavs = {}
-    for backend, extra in (("server", ()), ("torch", ("--codec-model", str(tiny_ckpt)))):
-        out = tmp_path / f"{backend}.wav"
-        rc = client_main(["--url", server, "--text", TEXT, "--voice", "ryan", "--language",
-                          "english", "--max-new-tokens", "24", "--seed", "5", "--out", str(out),
-                          "--decoder-backend", backend, *extra])
-        err = capsys.readouterr().err
-        assert rc == 0, err
-        assert "differs from --decoder-backend server" not in err  # no precision note
-        wavs[backend] = sf.read(out, dtype="int16")[0].astype(np.int64)
-    ref, got = wavs["server"], wavs["torch"]
+    (ref, _), (got, err) = (_client_wav(server, tmp_path, capsys, backend, *extra)
+                            for backend, extra in (("server", ()),
+                                                   ("torch", ("--codec-model", str(tiny_ckpt)))))
+    assert "differs from --decoder-backend server" not in err  # no precision note
     assert len(ref) == len(got) > 0
     assert int(np.abs(got - ref).max()) <= 1
     assert snr_db(torch.from_numpy(ref).double(), torch.from_numpy(got).double()) >= 60
@@ -95,18 +100,10 @@ def test_client_torch_decoder_follows_the_servers_bf16_decode(bf16_server, tiny_
     """Against a bf16 server (the CPU default), ``--decoder-backend torch`` decodes in the
     announced bf16 with the codec stage's kernels and writes the server's samples, bit for bit,
     with no note; ``--decoder-dtype fp32`` decodes exactly and says how it differs."""
-    wavs = {}
-    for backend, extra in (("server", ()), ("torch", ("--codec-model", str(tiny_ckpt),
-                                                      "--decoder-dtype", dtype))):
-        out = tmp_path / f"{backend}.wav"
-        rc = client_main(["--url", bf16_server, "--text", TEXT, "--voice", "ryan", "--language",
-                          "english", "--max-new-tokens", "24", "--seed", "5", "--out", str(out),
-                          "--decoder-backend", backend, *extra])
-        err = capsys.readouterr().err
-        assert rc == 0, err
-        wavs[backend] = sf.read(out, dtype="int16")[0].astype(np.int64)
+    ref, _ = _client_wav(bf16_server, tmp_path, capsys, "server")
+    got, err = _client_wav(bf16_server, tmp_path, capsys, "torch", "--codec-model", str(tiny_ckpt),
+                           "--decoder-dtype", dtype)
     assert ("differs from --decoder-backend server" in err) == (not equal)
-    ref, got = wavs["server"], wavs["torch"]
     assert len(ref) == len(got) > 0
     if equal:
         assert np.array_equal(ref, got)
