@@ -530,8 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default=None, help="fp32 or bf16 (default: from the profile)")
     v.add_argument("--codec-dtype", default=None,
                    help="Code2Wav's dtype, fp32 or bf16 (default: from the profile: fp32 on GPUs "
-                        "and with --fidelity-first, else --dtype's). fp32 is the exact decode: "
-                        "the same audio at any chunk plan and what client-side decoders match")
+                        "and with --fidelity-first, else --dtype's). fp32 is the exact decode, "
+                        "what exported client-side decoders match; bf16 is ~30 dB from it")
     v.add_argument("--device", default=None, help="cpu or cuda (default: from the profile)")
     v.add_argument("--max-streams", type=int, default=None, help="concurrent streams (talker slots)")
     v.add_argument("--max-queue", type=int, default=16, help="requests waiting for a slot")

@@ -400,15 +400,16 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     engine = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
               and not inputs.get("compile") else "torch")
     native = (inputs.get("engine_user") or engine) == "native"
+    dtype = "bfloat16" if bf16 else "float32"
     out: dict[str, Any] = {
         "device": device,
-        "dtype": "bfloat16" if bf16 else "float32",
+        "dtype": dtype,
         "weight_path": derive_weight_path(hw, device, model_bytes=model_bytes,
                                           fidelity_first=bool(inputs.get("fidelity_first")),
                                           dtype_user=inputs.get("dtype_user"),
                                           bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
                                           frame_bytes=inputs.get("frame_bytes")),
-        "codec_dtype": derive_codec_dtype(device, inputs.get("dtype_user") or ("bfloat16" if bf16 else "float32"),
+        "codec_dtype": derive_codec_dtype(device, inputs.get("dtype_user") or dtype,
                                           fidelity_first=bool(inputs.get("fidelity_first"))),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
         else "together",
@@ -429,7 +430,7 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     out.update(derive_memory(
         hw, device=inputs.get("device_user") or device,
         weight_path=inputs.get("weight_path_user") or out["weight_path"],
-        dtype=inputs.get("dtype_user") or out["dtype"], model_bytes=model_bytes,
+        dtype=inputs.get("dtype_user") or dtype, model_bytes=model_bytes,
         kv_bytes_per_token=kv_bytes_per_token, max_seq_len=int(inputs["max_seq_len"]),
         max_streams_cap=int(inputs["max_streams"]), kv_budget_mb=inputs.get("kv_budget_mb_user"),
         free_memory_bytes=free_memory_bytes))

@@ -338,9 +338,8 @@ class FrameEngine:
             return torch.stack([cpm.lm_head[j](h[0, j + 1]) for j in range(g - 1)]).float()
         n, slot, x, out = self.native, self.shape.max_slots - 1, x.float(), []
         for a, b in [(0, 2)] + [(j, j + 1) for j in range(2, g)]:  # the calls cp_frame makes
-            h = n.linear(n.proj, x[a:b]) if n.proj is not None else x[a:b]
             slots, pos = torch.full((b - a,), slot, dtype=torch.int64), torch.arange(a, b)
-            out.append(n.cp_step(h, slots, pos)[-1:])
+            out.append(n.cp_step(n.cp_project(x[a:b]), slots, pos)[-1:])
         return torch.cat([n.linear(n.cp_heads[j], out[j]) for j in range(g - 1)])
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,9 +122,7 @@ class _NativeParts:
                              layer=s.layer, norm=s.norm)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        y = self.n.linear(self.n.proj, flat) if self.n.proj is not None else flat.float()
-        return y.view(x.shape[0], x.shape[1], -1)
+        return self.n.cp_project(x.reshape(-1, x.shape[-1])).view(x.shape[0], x.shape[1], -1)
 
     def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
         t = x.shape[1]

@@ -729,6 +729,10 @@ class NativeRunner:
         [0, pos[r]]) -> normed hidden [m, C] fp32; writes their K/V into the engine's cache."""
         return self.stack_step(self.talker.struct, self.talker.cache, self.talker_rope, x, slots, pos)
 
+    def cp_project(self, x: torch.Tensor) -> torch.Tensor:
+        """Code-predictor inputs [m, talker C] -> [m, C] fp32 (its projection, if it has one)."""
+        return self.linear(self.proj, x) if self.proj is not None else x.float()
+
     def cp_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                 stack: OcStack | None = None) -> torch.Tensor:
         """``talker_step`` for the code predictor's stack (its inputs already projected), or
