@@ -33,7 +33,7 @@ from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring, StreamStart
 from omni_stream.stages.faults import FaultPlan
-from omni_stream.stages.proc import start_stage
+from omni_stream.stages.proc import orphan_cleanup, parent_alive, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     out.put(None, kind=MsgKind.EVENT, stream_id=READY_STREAM_ID, timeout=5.0)
     try:
         did = False
-        while _parent_alive():
+        while parent_alive():
             m = inp.get(timeout=0 if did else 0.05)  # an arriving frame wakes the wait at once
             while m is not None:
                 stage.on_message(m)
@@ -391,6 +391,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
         stepstats.dump()
         inp.close()
         out.close()
+        orphan_cleanup()
 
 
 def stage_kernels(model: Code2Wav) -> Code2Wav:
@@ -417,7 +418,3 @@ def _snake_kernel(model: Code2Wav):
         return None
 
 
-def _parent_alive() -> bool:
-    import os
-
-    return os.getppid() != 1

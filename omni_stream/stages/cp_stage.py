@@ -23,7 +23,7 @@ from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
 from omni_stream.transport import MsgKind, Ring
-from omni_stream.stages.proc import start_stage
+from omni_stream.stages.proc import parent_alive, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def run_cp_stage(spec, in_handle, out_handle) -> None:
         warm_up(engine, code_predictor_only=True)
     out.put(None, kind=MsgKind.EVENT, seq=READY, timeout=30.0)
     try:
-        serve_residuals(engine, inp, out, lambda: os.getppid() != 1 and inp.peer_alive())
+        serve_residuals(engine, inp, out, lambda: parent_alive() and inp.peer_alive())
     finally:
         stepstats.dump()
         inp.close()

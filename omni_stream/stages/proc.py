@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+_PARENT_PID: int | None = None  # the server process that started this stage (start_stage)
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -66,8 +68,34 @@ def start_stage(name: str, spec) -> None:
 
     from omni_stream.observability import stepstats
 
+    global _PARENT_PID
+    _PARENT_PID = os.getppid()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
     ignore_interrupts()
     pin_cpus(spec.cpus)
     torch.set_num_threads(spec.threads)
     stepstats.configure(name)
+
+
+def parent_alive() -> bool:
+    """Whether the server process that started this stage still runs. A dead parent's orphans
+    are re-parented to init or to a subreaper (a Ray worker is one), so the test is "the parent
+    pid changed", not "the parent is pid 1"."""
+    ppid = os.getppid()
+    return ppid != 1 and (_PARENT_PID is None or ppid == _PARENT_PID)
+
+
+def orphan_cleanup() -> None:
+    """A stage leaving because its server died (SIGKILL, OOM, a killed Ray replica) unlinks the
+    dead server's shared-memory segments, so /dev/shm is clean without waiting for the next
+    server start on this machine. A no-op while the parent lives."""
+    if parent_alive():
+        return
+    try:
+        from omni_stream.transport.shm import cleanup_stale
+
+        removed = cleanup_stale()
+        if removed:
+            log.info("server process gone: removed %d shared-memory segment(s)", len(removed))
+    except OSError as e:
+        log.warning("could not remove the dead server's segments: %s", e)

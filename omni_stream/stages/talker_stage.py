@@ -45,7 +45,7 @@ from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelC
 from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.stages.emulate import Emulation
 from omni_stream.stages.faults import FaultPlan
-from omni_stream.stages.proc import StageSpec, start_stage
+from omni_stream.stages.proc import StageSpec, orphan_cleanup, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -450,6 +450,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
     finally:
         stepstats.dump()
         out.close()
+        orphan_cleanup()
 
 
 def _bandwidth(spec: StageSpec) -> dict[str, float]:
