@@ -132,8 +132,10 @@ async def list_voices(request: web.Request) -> web.Response:
                   "openai_aliases": aliases, "languages": ["auto", *backend.languages()]})
 
 
-def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.Application:
-    """The application; starting it (runner setup) starts the backend, cleanup closes it."""
+def create_app(backend: Backend, settings: ServerSettings | None = None,
+               voice_store=None) -> web.Application:
+    """The application; starting it (runner setup) starts the backend, cleanup closes it.
+    ``voice_store``: uploaded voices kept elsewhere than ``settings.voice_dir`` (a cluster's)."""
     from omni_stream.observability import stepstats
     from omni_stream.server.metrics import observe_step
 
@@ -145,7 +147,7 @@ def create_app(backend: Backend, settings: ServerSettings | None = None) -> web.
                          f"available here: use one of {', '.join(supported_formats())}")
     voices = VoiceService(getattr(backend, "clone_model_dir", None),
                           getattr(backend, "variant", "custom_voice"), backend.voices(),
-                          settings.voice_dir)
+                          settings.voice_dir, store=voice_store)
     # voice uploads and requests carrying ref_audio may be larger than other bodies (the speech
     # handler holds the others to max_body_bytes)
     app = web.Application(client_max_size=settings.max_request_bytes(voices.supported),
@@ -191,10 +193,11 @@ def make_runner(app: web.Application) -> web.AppRunner:
 
 
 async def start_server(backend: Backend, host: str = "127.0.0.1", port: int = 8000,
-                       settings: ServerSettings | None = None) -> tuple[web.AppRunner, str]:
+                       settings: ServerSettings | None = None,
+                       voice_store=None) -> tuple[web.AppRunner, str]:
     """Start serving (port 0: any free port); returns the runner (``await runner.cleanup()``
     stops it gracefully) and the base URL."""
-    runner = make_runner(create_app(backend, settings))
+    runner = make_runner(create_app(backend, settings, voice_store))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

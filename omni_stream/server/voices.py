@@ -54,14 +54,18 @@ class VoiceService:
     ``model_dir`` None or a non-Base ``variant``: cloning is refused (400 naming the fix)."""
 
     def __init__(self, model_dir: str | Path | None, variant: str, builtin: list[str],
-                 voice_dir: str | Path | None = None) -> None:
+                 voice_dir: str | Path | None = None, store=None) -> None:
+        """``store``: where uploaded voices live when not in ``voice_dir`` on this machine (a
+        cluster's shared store, ``omni_stream.cluster.registry``); it has VoiceStore's methods."""
         self.variant = variant
         self.builtin = list(builtin)
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.store = None
         self._encoder = None
         self._lock = threading.Lock()
-        if self.supported:
+        if self.supported and store is not None:
+            self.store = store
+        elif self.supported:
             from omni_stream.voices.store import VoiceStore, default_voice_dir
 
             root = Path(voice_dir) if voice_dir else default_voice_dir(self.model_dir)
