@@ -382,9 +382,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from omni_stream.server.app import run_server
     from omni_stream.server.settings import from_args
 
+    if a.ray is not None:
+        return _serve_cluster(a)
+    cluster_flags_valid(a)
     settings, _, _ = pipeline_settings(a)
     run_server(PipelineBackend(settings), a.host, a.port, from_args(a))
     return 0
+
+
+def cluster_flags_valid(a: argparse.Namespace) -> None:
+    """The cluster flags' own checks (they live with the rest of the cluster code)."""
+    from omni_stream.cluster.launch import cluster_flags_valid as check
+
+    check(a)
+
+
+def _serve_cluster(a: argparse.Namespace) -> int:
+    try:
+        from omni_stream.cluster.launch import run
+    except ImportError as e:
+        raise ValueError(f"--ray needs Ray Serve ({e}): pip install 'omni-stream[cluster]'") \
+            from None
+    return run(a)
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -572,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     from omni_stream.server.settings import add_arguments
 
     add_arguments(v)
+    from omni_stream.cluster.launch import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(v)
     v.set_defaults(func=cmd_serve)
 
     pr = sub.add_parser("profile", help="print the probed hardware and the effective profile")

@@ -114,6 +114,10 @@ class AudioChunk:
         return self.text_waiting or self.text_waited_s is not None
 
 
+def _backend_error(status, code, message, param, retry_after) -> "BackendError":
+    return BackendError(status, code, message, param=param, retry_after=retry_after)
+
+
 class BackendError(Exception):
     """A typed failure the server maps straight onto HTTP / SSE / WebSocket.
 
@@ -131,6 +135,12 @@ class BackendError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+
+    def __reduce__(self):
+        """Picklable with its keyword fields (it crosses process boundaries: stage processes,
+        Ray replicas)."""
+        return (_backend_error, (self.status, self.code, self.message, self.param,
+                                 self.retry_after))
 
     @classmethod
     def from_rejected(cls, r: Rejected) -> "BackendError":

@@ -38,3 +38,30 @@ def tiny_model(tiny_ckpt):
     from omni_stream.checkpoints.io import load_model
 
     return load_model(tiny_ckpt, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- the cluster entry (Ray Serve)
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local two-node Ray cluster serving omni-stream through its entry (cluster_harness)."""
+    pytest.importorskip("ray.serve")
+    from cluster_harness import LocalCluster
+
+    c = LocalCluster(nodes=2, cpus_per_node=2)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(params=["direct", "cluster"])
+def api_entry(request, monkeypatch):
+    """Run a server API test against the single server and against the cluster entry: in the
+    cluster case the test module's ``running_server`` deploys the test's backend as a replica
+    and yields the entry's URL. Tests marked ``direct_only`` look inside the backend object in
+    the test process, which a replica does not share."""
+    if request.param == "cluster":
+        marker = request.node.get_closest_marker("direct_only")
+        if marker is not None:
+            pytest.skip(f"single server only: {marker.args[0] if marker.args else ''}")
+        cluster = request.getfixturevalue("ray_cluster")
+        monkeypatch.setattr(request.module, "running_server", cluster.running_server)
+    return request.param

@@ -11,6 +11,7 @@ import os
 import time
 
 import aiohttp
+from multidict import CIMultiDict
 import numpy as np
 import pytest
 
@@ -47,7 +48,7 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, di
     t = time.perf_counter()
     async with s.post(url + "/v1/audio/speech", json=body) as r:
         data = await r.read()
-        return r.status, dict(r.headers), data, time.perf_counter() - t
+        return r.status, CIMultiDict(r.headers), data, time.perf_counter() - t
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")

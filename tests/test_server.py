@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import struct
 import time
 
@@ -21,7 +22,10 @@ from omni_stream.server.fake_backend import FakeBackend, chunk_sizes, expected_f
 from omni_stream.server.metrics import observe_step
 from omni_stream.server.testing import post_speech as post
 from omni_stream.server.testing import run_async as arun
-from omni_stream.server.testing import running_server
+from omni_stream.server.testing import backend_stats, running_server, served_here, wait_backend
+
+# every test here runs against the single server and against the cluster entry (conftest)
+pytestmark = pytest.mark.usefixtures("api_entry")
 
 BYTES_PER_FRAME = 1920 * 2  # s16le
 TEXT = "The quick brown fox jumps over the lazy dog."  # 44 chars -> 12 frames
@@ -56,8 +60,9 @@ def test_streamed_pcm_is_chunked_byte_exact_and_fast_to_first_byte():
         assert t_first < t_total / 2, (t_first, t_total)
         # streamed == one-pass: the chunking is invisible in the bytes
         assert body == to_s16le(fake_audio(7, 0, frames * 1920))
-        job = backend.jobs[0]
-        assert job.voice == "vivian" and job.seed == 7 and job.text == TEXT
+        if served_here(backend):  # the request as it reached the backend
+            job = backend.jobs[0]
+            assert job.voice == "vivian" and job.seed == 7 and job.text == TEXT
 
     arun(main())
 
@@ -205,6 +210,8 @@ def test_extensions_reach_the_job():
                 "initial_codec_chunk_frames": 2, "do_sample": False,
                 "instructions": "  calm  ", "model": "omni-stream-fake"})
         assert status == 200 and len(body) == 5 * BYTES_PER_FRAME
+        if not served_here(backend):
+            return
         job = backend.jobs[0]
         assert (job.voice, job.language, job.seed, job.max_frames, job.initial_chunk_frames,
                 job.greedy, job.instructions) == ("serena", "english", 11, 5, 2, True, "calm")
@@ -212,6 +219,7 @@ def test_extensions_reach_the_job():
     arun(main())
 
 
+@pytest.mark.direct_only("the fake backend itself, no server")
 def test_fake_backend_chunks_follow_the_one_ramp():
     """FakeBackend cuts its chunks with ChunkPolicy.ramp (the real stages' growth rule), the
     request's first chunk via starting_at, the last chunk cut to what is left."""
@@ -248,7 +256,8 @@ def test_openai_voice_aliases_map_in_documented_order():
                 assert status == 200
             async with s.get(url + "/v1/audio/voices") as r:
                 listing = await r.json()
-        assert [j.voice for j in backend.jobs] == ["a", "b", "c", "a", "a"]  # cedar is 13th
+        if served_here(backend):
+            assert [j.voice for j in backend.jobs] == ["a", "b", "c", "a", "a"]  # cedar: 13th
         assert listing["voices"] == ["a", "b", "c"]
         assert listing["openai_aliases"]["coral"] == "a"
 
@@ -257,8 +266,10 @@ def test_openai_voice_aliases_map_in_documented_order():
 
 # --- observability ------------------------------------------------------------------------------
 def test_health_models_and_metrics():
+    backend = FakeBackend(max_streams=4)
+
     async def main():
-        async with running_server(FakeBackend(max_streams=4)) as url, aiohttp.ClientSession() as s:
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
             await post(s, url, {"input": TEXT, "response_format": "pcm"})
             await post(s, url, {"input": ""})
             observe_step("talker_step", 0.004)
@@ -278,14 +289,19 @@ def test_health_models_and_metrics():
     assert health[1]["capacity_streams"] == 4 and health[1]["rtf_estimate"] == 0.0
     assert model[0] == 200 and model[1]["id"] == "omni-stream-fake" and missing == 404
     assert status == 200 and ctype.startswith("text/plain")
+    if not served_here(backend):  # the cluster entry: every replica's samples, labelled
+        text = re.sub(r'\{replica="[^"]*",?', "{", text).replace("{}", "")
+        assert 'phase="talker_step"' not in text  # observed in this process, not a replica's
     for name in ("omni_stream_requests_total", "omni_stream_time_to_first_audio_seconds_bucket",
                  "omni_stream_active_streams", "omni_stream_streams_total",
                  "omni_stream_audio_seconds_total", "omni_stream_ws_sessions",
                  "omni_stream_backend_active_streams", "omni_stream_backend_queue_depth",
                  "omni_stream_backend_slots_total 4.0", 'omni_stream_step_seconds_bucket{le=',
                  "omni_stream_capacity_streams 4.0", "omni_stream_rtf_estimate 0.0",
-                 'phase="talker_step"', 'phase="server.encode_write"'):
+                 'phase="server.encode_write"'):
         assert name in text, name
+    if served_here(backend):
+        assert 'phase="talker_step"' in text
     assert 'omni_stream_requests_total{route="/v1/audio/speech",status="200"} 1.0' in text
     assert 'omni_stream_requests_total{route="/v1/audio/speech",status="400"} 1.0' in text
     assert 'omni_stream_streams_total{endpoint="audio",outcome="completed"} 1.0' in text
@@ -298,6 +314,7 @@ def test_fake_backend_satisfies_the_protocol():
     assert isinstance(FakeBackend(), Backend)
 
 
+@pytest.mark.direct_only("the aiohttp runner's lifecycle")
 def test_runner_cleanup_closes_the_backend():
     async def main():
         backend = FakeBackend()
@@ -317,25 +334,27 @@ def test_eight_concurrent_streams_complete_with_correct_lengths():
         backend = FakeBackend(frame_delay=0.01)
         peak = 0
 
-        async def watch():
+        async def watch(s, url):
             nonlocal peak
             while True:
-                peak = max(peak, backend.active)
+                stats = await backend_stats(s, url)
+                peak = max(peak, int(stats["active_streams"]))
                 await asyncio.sleep(0.002)
 
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
-            w = asyncio.create_task(watch())
+            w = asyncio.create_task(watch(s, url))
             texts = [TEXT[: 8 + 4 * i] for i in range(8)]
             fmts = ["pcm", "wav"] * 4
             results = await asyncio.gather(*(
                 post(s, url, {"input": t, "response_format": f, "seed": i})
                 for i, (t, f) in enumerate(zip(texts, fmts))))
             w.cancel()
+            stats = await wait_backend(s, url, lambda st: st["active_streams"] == 0)
         for i, (t, f, (status, _, body)) in enumerate(zip(texts, fmts, results)):
             header = 44 if f == "wav" else 0
             assert status == 200
             assert body[header:] == to_s16le(fake_audio(i, 0, expected_frames(t) * 1920))
-        return peak, backend.stats()
+        return peak, stats
 
     peak, stats = arun(main())
     assert peak >= 4, peak  # they really ran side by side
@@ -371,6 +390,7 @@ async def _disconnect_mid_stream(runner_factory) -> tuple[dict, float]:
         await runner.cleanup()
 
 
+@pytest.mark.direct_only("runs its own aiohttp runner")
 def test_disconnect_mid_stream_frees_the_backend_stream_at_once():
     from omni_stream.server.app import make_runner
 
@@ -380,6 +400,7 @@ def test_disconnect_mid_stream_frees_the_backend_stream_at_once():
     assert freed_after < 0.5, freed_after  # cancelled on disconnect, not run to its 5 s end
 
 
+@pytest.mark.direct_only("runs its own aiohttp runner")
 def test_disconnect_is_noticed_at_next_write_without_handler_cancellation():
     stats, freed_after = arun(_disconnect_mid_stream(web.AppRunner))  # a plain runner
     assert stats["active_streams"] == 0 and stats["streams_cancelled_total"] == 1

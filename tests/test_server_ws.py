@@ -15,8 +15,11 @@ from omni_stream.server.audio import to_s16le
 from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio, fake_codes
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import run_async as arun
-from omni_stream.server.testing import running_server
+from omni_stream.server.testing import backend_stats, running_server, served_here, wait_backend
 from omni_stream.server.ws import split_sentences
+
+# every test here runs against the single server and against the cluster entry (conftest)
+pytestmark = pytest.mark.usefixtures("api_entry")
 
 WS_PATH = "/v1/audio/speech/stream"
 
@@ -93,8 +96,9 @@ def test_session_with_two_utterances_split_at_sentences():
         assert done["finish_reason"] == "stop"
     assert messages[-1] == {"type": "session.done"}
     assert closing.type == aiohttp.WSMsgType.CLOSE and code == 1000
-    assert [j.voice for j in backend.jobs] == ["vivian", "vivian"]
-    assert backend.stats()["active_streams"] == 0
+    if served_here(backend):
+        assert [j.voice for j in backend.jobs] == ["vivian", "vivian"]
+        assert backend.stats()["active_streams"] == 0
 
 
 def test_codec_frames_mode_sends_header_then_int64_frames():
@@ -242,29 +246,31 @@ def test_control_characters_are_refused_piece_by_piece_and_the_session_survives(
     assert updated["type"] == "session.updated"
     # the refused pieces never reached the buffer: one utterance, of the good piece only
     assert [u[0]["text"] for u in utterances(messages)] == ["Fine\ttext"]
-    assert [(j.text, j.instructions) for j in backend.jobs] == [("Fine\ttext", "calm,\nand slow")]
+    assert not served_here(backend) or [(j.text, j.instructions) for j in backend.jobs] == [
+        ("Fine\ttext", "calm,\nand slow")]
 
 
 def test_disconnect_mid_utterance_frees_the_backend_stream():
     async def main():
         backend = FakeBackend(frame_delay=0.02)
-        async with ws_session(backend) as ws:
-            await ws.send_json({"type": "input.text", "text": "word " * 200})
-            await ws.send_json({"type": "input.done"})
-            assert (await ws.receive_json())["type"] == "audio.start"
-            assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
-            assert backend.active == 1
-            await ws.close()
-            for _ in range(200):
-                if backend.active == 0:
-                    break
-                await asyncio.sleep(0.005)
-            return backend.stats()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            before = await backend_stats(s, url)
+            async with s.ws_connect(url + WS_PATH) as ws:
+                assert (await ws.receive_json())["type"] == "session.created"
+                await ws.send_json({"type": "input.text", "text": "word " * 200})
+                await ws.send_json({"type": "input.done"})
+                assert (await ws.receive_json())["type"] == "audio.start"
+                assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
+                assert (await backend_stats(s, url))["active_streams"] == 1
+                await ws.close()
+            after = await wait_backend(s, url, lambda st: st["active_streams"] == 0, timeout=1)
+            return before, after
 
-    stats = arun(main())
-    assert stats["active_streams"] == 0 and stats["streams_cancelled_total"] == 1
+    before, after = arun(main())
+    assert after["streams_cancelled_total"] - before["streams_cancelled_total"] == 1
 
 
+@pytest.mark.direct_only("runs and shuts down its own server")
 def test_server_shutdown_closes_sessions_with_going_away():
     async def main():
         backend = FakeBackend(frame_delay=0.02)
@@ -311,10 +317,12 @@ def test_websocket_needs_the_api_key():
     ("你好。今天怎么样？还", ["你好。", "今天怎么样？"], "还"),
     ("v1.2 is out", [], "v1.2 is out"),
 ])
+@pytest.mark.direct_only("the sentence splitter itself, no server")
 def test_split_sentences(buffer, sentences, rest):
     assert split_sentences(buffer, 4096) == (sentences, rest)
 
 
+@pytest.mark.direct_only("the sentence splitter itself, no server")
 def test_split_sentences_caps_a_long_run_on_sentence():
     out, rest = split_sentences("aaa bbb ccc ddd eee", 8)
     assert out == ["aaa bbb", "ccc ddd"] and rest == "eee"

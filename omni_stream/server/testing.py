@@ -9,6 +9,7 @@ import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import aiohttp
+from multidict import CIMultiDict
 
 from omni_stream.contract import Backend
 from omni_stream.server.settings import ServerSettings
@@ -78,9 +79,10 @@ def run_async(coro: Awaitable[T], timeout: float = 60.0) -> T:
 async def post_speech(session: aiohttp.ClientSession, url: str, body: Any,
                       headers: dict[str, str] | None = None,
                       content_type: str | None = "application/json",
-                      ) -> tuple[int, dict[str, str], bytes]:
+                      ) -> tuple[int, CIMultiDict, bytes]:
     """POST ``body`` (a dict, or raw str/bytes sent as is) to /v1/audio/speech; returns
-    (status, headers, whole body). ``content_type`` is sent unless ``headers`` name one; None
+    (status, headers (case-insensitive, as HTTP's: a proxy may send them lower-cased), whole
+    body). ``content_type`` is sent unless ``headers`` name one; None
     sends no Content-Type header at all (the server answers 415)."""
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = dict(headers or {})
@@ -89,4 +91,42 @@ async def post_speech(session: aiohttp.ClientSession, url: str, body: Any,
     skip = ("Content-Type",) if content_type is None else ()  # aiohttp would add its own
     async with session.post(url + "/v1/audio/speech", data=data, headers=headers,
                             skip_auto_headers=skip) as r:
-        return r.status, dict(r.headers), await r.read()
+        return r.status, CIMultiDict(r.headers), await r.read()
+
+
+def served_here(backend: Backend) -> bool:
+    """Whether ``backend`` is the object serving the requests (a single server in this
+    process) rather than a copy deployed elsewhere (the cluster entry's replicas): only then
+    can a test look inside it."""
+    return not getattr(backend, "served_remotely", False)
+
+
+async def backend_stats(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The backend's ``stats()`` as /metrics exposes them (``omni_stream_backend_<key>``),
+    summed over replicas behind a cluster entry: what a test may read from any server."""
+    import re
+
+    async with session.get(url + "/metrics") as r:
+        assert r.status == 200, r.status
+        text = await r.text()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^omni_stream_backend_(\w+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+async def wait_backend(session: aiohttp.ClientSession, url: str,
+                       until: Callable[[dict[str, float]], bool], timeout: float = 10.0,
+                       every: float = 0.005) -> dict[str, float]:
+    """Poll :func:`backend_stats` until ``until(stats)``; the last stats (TimeoutError past
+    ``timeout``)."""
+    import time
+
+    deadline = time.perf_counter() + timeout
+    while True:
+        stats = await backend_stats(session, url)
+        if until(stats):
+            return stats
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"backend stats never satisfied the condition: {stats}")
+        await asyncio.sleep(every)
