@@ -22,7 +22,9 @@ import aiohttp
 
 from omni_stream.server.metrics import CONTENT_TYPE
 
-_LABELS = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+# name, labels, " value [timestamp]" (a value: a float, NaN or +/-Inf)
+_LABELS = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?"
+                     r"(\s+(?:[-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf)|NaN)(?:\s+-?[0-9]+)?\s*)$")
 
 
 def _escape(v: str) -> str:

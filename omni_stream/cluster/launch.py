@@ -146,7 +146,9 @@ def connect(address: str) -> None:
         # the proxy (started by this cluster's raylet, which inherits this environment) runs
         # the entry middleware (entry.py)
         os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
-        ray.init(namespace=NAMESPACE, include_dashboard=False, runtime_env=env,
+        # "local": a new cluster even where one runs (ray start, another serve --ray local)
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
+                 runtime_env=env,
                  logging_level=logging.WARNING)
     else:
         ray.init(address=address, namespace=NAMESPACE, runtime_env=env,
@@ -154,7 +156,7 @@ def connect(address: str) -> None:
 
 
 def deploy(a: argparse.Namespace) -> str:
-    """Connect, start the registry and the application; the entry's URL."""
+    """Start the registry and the application on the connected cluster; the entry's URL."""
     import ray
     from ray import serve
 
@@ -164,7 +166,6 @@ def deploy(a: argparse.Namespace) -> str:
     from omni_stream.server.settings import API_KEY_ENV
     from omni_stream.voices.store import default_voice_dir
 
-    connect(a.ray)
     path = resolve_model_path(a.model)
     voice_dir = a.voice_dir or str(default_voice_dir(path))
     start_registry(voice_dir, ray.get_runtime_context().get_node_id())
@@ -222,8 +223,20 @@ def run(a: argparse.Namespace) -> int:
     """Blocking: deploy, serve until SIGINT/SIGTERM, tear down."""
     cluster_flags_valid(a)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:
+        stop.set()
+
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install()
+    connect(a.ray)
+    # ray.init puts its own failure handler on SIGTERM, which ends the process at once (no
+    # teardown: a local cluster's processes and the replicas' segments would be left): ours
+    # goes back on top
+    install()
     try:
         url = deploy(a)
         log.info("omni-stream serving on %s through Ray Serve (OpenAI base_url %s/v1); "
