@@ -1,8 +1,9 @@
 """/health and /metrics for a whole cluster, gathered from every registered replica.
 
 ``GET /health``: 200 ``{"status": "ok", "replicas": [...], "capacity_streams": N, ...}`` while
-at least one replica serves, else 503; each replica's own /health body under its id, or
-``"status": "unreachable"``. Public, like a single server's.
+at least one replica serves, else 503; per replica its id, node, pid, the address of its
+server (reachable on the cluster's network: a direct line for debugging and benchmarks) and its
+own /health body, or ``"status": "unreachable"``. Public, like a single server's.
 
 ``GET /metrics``: every replica's Prometheus text merged into one exposition, each sample
 labelled ``replica="<id>"`` (one HELP/TYPE per family), plus ``omni_stream_cluster_replicas``
@@ -132,7 +133,7 @@ async def cluster_health(replica, scope, receive, send) -> None:
     rows, model = [], None
     for p, r in zip(peers, got):
         row: dict[str, Any] = {"replica": p["replica"], "node_ip": p.get("node_ip"),
-                               "pid": p.get("pid")}
+                               "pid": p.get("pid"), "url": p.get("url")}
         if r is None:
             row["status"] = "unreachable"
         else:
