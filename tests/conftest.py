@@ -65,3 +65,12 @@ def api_entry(request, monkeypatch):
         cluster = request.getfixturevalue("ray_cluster")
         monkeypatch.setattr(request.module, "running_server", cluster.running_server)
     return request.param
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that use the Ray cluster run last, together: the cluster starts once and its
+    background processes do not run beside the rest of the suite."""
+    def uses_cluster(item) -> bool:
+        names = getattr(item, "fixturenames", ())
+        return "ray_cluster" in names or "api_entry" in names or "base_cluster" in names
+    items[:] = sorted(items, key=uses_cluster)
