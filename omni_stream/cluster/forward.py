@@ -1,7 +1,7 @@
 """An ASGI application that forwards HTTP requests and WebSockets to an aiohttp server.
 
 Serve's ingress is ASGI; omni-stream's API is the aiohttp app (``server.app``). A replica runs
-that app on a loopback port and hands every ASGI request to it through :class:`Forwarder`, so
+that app on a free port of its node's address and hands every ASGI request to it through :class:`Forwarder`, so
 parsing, validation, admission, errors and stream encoding are the single server's own code.
 Bytes pass through unchanged in both directions, as they are produced (a chunked stream stays
 chunked, an SSE event is sent when it is written); a response the app aborts mid-stream (its

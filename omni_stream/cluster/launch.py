@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import threading
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def deploy(a: argparse.Namespace) -> str:
     import ray
     from ray import serve
 
-    from omni_stream.checkpoints.default import resolve_model_path
+    from omni_stream.checkpoints.default import DEFAULT_MODEL_NAME, resolve_model_path
     from omni_stream.cluster.registry import start_registry
     from omni_stream.cluster.replica import OmniStreamReplica
     from omni_stream.server.settings import API_KEY_ENV
@@ -171,7 +172,10 @@ def deploy(a: argparse.Namespace) -> str:
     start_registry(voice_dir, ray.get_runtime_context().get_node_id())
     serve.start(proxy_location="HeadOnly", http_options={"host": a.host, "port": a.port})
     replica_args = argparse.Namespace(**vars(a))
-    replica_args.model = str(path)
+    # a folder: absolute, as every node must have it at the same path; the embedded default
+    # model: by name, each node writes its own (the same bytes)
+    replica_args.model = (DEFAULT_MODEL_NAME if str(a.model) == DEFAULT_MODEL_NAME
+                          else str(Path(path).resolve()))
     replica_args.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None
     app = serve.deployment(OmniStreamReplica).options(**deployment_options(a)).bind(replica_args)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

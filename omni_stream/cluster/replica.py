@@ -6,7 +6,7 @@ processes and the aiohttp app in a thread of its own (its own event loop, as on 
 listening on the node's address at a free port, and serves Serve's ASGI ingress by forwarding
 to it (``forward.Forwarder``). Why forward rather than re-implement the routes on ASGI: the API
 (parsing, validation, error mapping, admission, stream encoding, the WebSocket protocol) then
-has one implementation, tested once and run by both deployments, and the price is a loopback
+has one implementation, tested once and run by both deployments, and the price is a same-node
 hop measured by ``benchmarks/tts/cluster_bench.py``.
 
 Two requests are answered for the whole cluster: ``GET /health`` (every replica's state and
