@@ -456,7 +456,7 @@ def test_voice_uploaded_through_the_entry_speaks_on_every_replica_and_equals_a_s
     assert len({g["body"] for g in spoken}) == 1 and len(spoken[0]["body"]) > 0
 
     # a single server on the same checkpoint, flags and voice folder speaks the same audio
-    from omni_stream.cli import pipeline_settings
+    from omni_stream.orchestrator.flags import pipeline_settings
     from omni_stream.orchestrator import PipelineBackend
     from omni_stream.server.settings import from_args
     from omni_stream.voices.store import VoiceStore

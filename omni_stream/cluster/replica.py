@@ -161,7 +161,7 @@ class OmniStreamReplica:
         self._closing = threading.Event()
         start_timeout = 120.0
         if backend is None:
-            from omni_stream.cli import pipeline_settings
+            from omni_stream.orchestrator.flags import pipeline_settings
             from omni_stream.orchestrator import PipelineBackend
 
             pipe_settings, self.profile, _ = pipeline_settings(args)

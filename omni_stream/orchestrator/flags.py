@@ -1,0 +1,223 @@
+"""``omni-stream serve``'s flags -> the pipeline's settings: the effective deployment profile
+(flags over the machine's probe and measured costs over the class defaults) and the
+``PipelineSettings`` it gives. Used by the CLI and by each replica of a cluster deployment
+(``omni_stream.cluster``), which builds its pipeline from the same flags on its own node."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from omni_stream.config import LOW_BIT_WEIGHT_PATHS
+
+log = logging.getLogger("omni_stream.cli")
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# serve flag (argparse dest) -> DeployProfile field; a flag left unset is filled by the profile
+SERVE_PROFILE_FLAGS = {
+    "dtype": "dtype", "codec_dtype": "codec_dtype", "device": "device", "max_streams": "max_streams",
+    "max_seq_len": "max_seq_len", "first_chunk": "first_chunk", "steady_chunk": "steady_chunk",
+    "talker_threads": "talker_threads", "codec_threads": "codec_threads",
+    "cp_threads": "cp_threads", "placement": "placement", "queue_timeout": "queue_timeout_s",
+    "kv_budget_mb": "kv_budget_mb", "weight_path": "weight_path", "compile": "compile",
+    "fidelity_first": "fidelity_first", "engine": "engine", "lend_cores": "lend_cores",
+}
+
+
+def _model_bytes(path) -> int:
+    """Parameters of the main checkpoint x 2 (bf16 bytes, what build_profile expects)."""
+    from safetensors import safe_open
+
+    from omni_stream.checkpoints.io import _weight_files
+
+    n = 0
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                n += _prod(h.get_slice(k).get_shape())
+    return 2 * n
+
+
+def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
+    """The deployment profile for ``serve``: ``--profile auto`` layers model defaults, the
+    hardware-class file, values derived from the probe, the chunk calibration and the flags
+    given (which win); ``--profile none`` is the fixed defaults, the chunk calibration and the
+    flags. ``calibration``: this deployment's cached ChunkPolicy or None. Returns (profile,
+    sources)."""
+    from omni_stream.edge.adapt import FIELDS, DeployProfile, build_profile, calibration_values
+    from omni_stream.edge.probe import load_profile
+    from omni_stream.checkpoints.io import read_config
+    from omni_stream.scheduling import kv_bytes_per_token
+
+    user = {}
+    for dest, fld in SERVE_PROFILE_FLAGS.items():
+        v = getattr(a, dest, None)
+        if v is not None:
+            if dest in ("dtype", "codec_dtype"):
+                if v not in DTYPES:
+                    raise ValueError(f"unknown {dest.replace('_', '-')} '{v}': use fp32 or bf16")
+                v = DTYPES[v]
+            user[fld] = v
+    if user.get("weight_path") in LOW_BIT_WEIGHT_PATHS:
+        user.setdefault("dtype", "bfloat16")  # the low-bit kernels compute in bf16
+    if user.get("dtype") == "float32":
+        user.setdefault("weight_path", "fp32")
+    if a.profile == "none":
+        if user.get("dtype") == "bfloat16":
+            user.setdefault("weight_path", "bf16")
+        calib = calibration_values(calibration)
+        prof = DeployProfile(**{**calib, **user})
+        return prof, {k: "user" if k in user else "calibration" if k in calib else "default"
+                      for k in FIELDS}
+    cfg = read_config(path)
+    hw = hw or load_profile()
+    bandwidth, frame_bytes = _weight_path_pricing(hw, cfg)
+    return build_profile(hw, model_bytes=_model_bytes(path),
+                         kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
+                         calibration=calibration, user=user, bandwidth_gbs=bandwidth,
+                         frame_bytes=frame_bytes)
+
+
+BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
+
+
+def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
+    """(read bandwidth, weight bytes per frame of each native weight path) for the profile to
+    price weight paths with (``edge.adapt.priced_weight_path``). The bandwidth is
+    ``OMNI_STREAM_BANDWIDTH_GBS`` if set, else measured on every core the talker may use (a
+    second), once per process (the profile is built twice at start-up), and logged with each
+    path's priced frame; None where the hardware is an override describing another machine
+    (nothing here to measure)."""
+    import os
+
+    from omni_stream.edge import adapt
+    from omni_stream.edge.measure import memory_bandwidth_gbs
+    from omni_stream.engine.cpu.native import frame_weight_bytes
+    from omni_stream.engine.loading import NATIVE_PLANS
+
+    frame_bytes = {wp: frame_weight_bytes(cfg.talker, plan) for wp, plan in NATIVE_PLANS.items()
+                   if wp in LOW_BIT_WEIGHT_PATHS}
+    env = os.environ.get(BANDWIDTH_ENV, "").strip()
+    if env:
+        try:
+            bw = float(env)
+        except ValueError:
+            raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: give the read bandwidth in GB/s, e.g. 17.5")
+        if not bw > 0 or bw == float("inf"):
+            raise SystemExit(f"{BANDWIDTH_ENV}={env!r}: the bandwidth must be a finite number > 0")
+        key, how = env, BANDWIDTH_ENV
+    elif hw.source != "probe":
+        return None, frame_bytes
+    else:
+        threads = min(hw.physical_cores, adapt.MAX_STAGE_THREADS)
+        key, how = threads, f"measured on {threads} threads"
+    if key not in _BANDWIDTH:
+        _BANDWIDTH[key] = bw if env else memory_bandwidth_gbs(key)
+        gbs = _BANDWIDTH[key]
+        log.info("weight paths priced at %.1f GB/s (%s): %s per frame (real time: <= %.0f ms)",
+                 gbs, how, ", ".join(f"{wp} {b / (gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
+                                     for wp, b in frame_bytes.items()),
+                 adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
+    return _BANDWIDTH[key], frame_bytes
+
+
+_BANDWIDTH: dict = {}  # per process: env value or thread count -> GB/s
+
+
+def _settings(a: argparse.Namespace, path, prof, sources):
+    """PipelineSettings from an effective profile (and the serve-only flags, if any)."""
+    from omni_stream.orchestrator.settings import PipelineSettings
+    from omni_stream.scheduling.chunking import ChunkPolicy
+
+    model_name = getattr(a, "model_name", None)
+    return PipelineSettings(
+        model_path=str(path),
+        model_name=model_name or ("qwen3-tts" if a.model == "default" else path.name),
+        dtype=prof.dtype, codec_dtype=prof.codec_dtype, device=prof.device,
+        max_streams=prof.max_streams,
+        max_queue=getattr(a, "max_queue", 16), queue_timeout_s=prof.queue_timeout_s,
+        max_seq_len=prof.max_seq_len,
+        schedule=ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk),
+        schedule_calibrated="calibration" in (sources["first_chunk"], sources["steady_chunk"]),
+        schedule_fixed="user" in (sources["first_chunk"], sources["steady_chunk"]),
+        talker_threads=prof.talker_threads, codec_threads=prof.codec_threads,
+        cp_threads=prof.cp_threads, placement=prof.placement, cuda_graphs=prof.cuda_graphs,
+        weight_path=prof.weight_path if prof.weight_path in LOW_BIT_WEIGHT_PATHS else None,
+        compile=prof.compile, engine=prof.engine, lend_cores=prof.lend_cores,
+        start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
+        kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
+        throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets),
+        speculative_cp=_speculative_cp(getattr(a, "speculative_cp", None), path))
+
+
+def _speculative_cp(text: str | None, path) -> tuple[int, int] | None:
+    """``--speculative-cp LAYERS[:LOOKAHEAD]`` -> (draft layers, lookahead), checked against the
+    checkpoint's code predictor (1 .. its layers - 1; lookahead >= 1, default 4)."""
+    if text is None:
+        return None
+    from omni_stream.checkpoints.io import read_config
+
+    n = read_config(path).talker.code_predictor.num_hidden_layers
+    layers, _, look = text.partition(":")
+    try:
+        d, k = int(layers), int(look) if look else 4
+    except ValueError:
+        d = k = 0
+    if not (1 <= d < n and k >= 1):
+        raise ValueError(f"--speculative-cp {text!r}: give LAYERS[:LOOKAHEAD], draft layers 1 to "
+                         f"{n - 1} (this code predictor has {n}) and a lookahead >= 1, e.g. 2:4")
+    return d, k
+
+
+def _with_calibration(a: argparse.Namespace, path, build, costs_out: list | None = None):
+    """(profile, sources, settings, cost file or None): ``build(calibration)`` gives the
+    profile, with the chunk policy of this deployment's cached costs
+    (``scheduling.capacity.chunk_policy``) as its calibration layer when they exist. The cache
+    is keyed by the settings' fingerprint, which the chunk sizes do not enter, so the profile
+    is first built without it to find the key. ``costs_out`` gets the cached costs, if any."""
+    from omni_stream.scheduling.capacity import chunk_policy
+    from omni_stream.scheduling.chunking import ChunkPolicy
+
+    prof, sources = build(None)
+    settings = _settings(a, path, prof, sources)
+    cache = settings.cost_cache()
+    costs = cache.load()
+    if costs is None:
+        return prof, sources, settings, None
+    if costs_out is not None:
+        costs_out.append(costs)
+    policy = chunk_policy(costs, ChunkPolicy(first=prof.first_chunk, steady=prof.steady_chunk))
+    try:
+        cprof, csources = build(policy)
+    except ValueError as e:
+        log.warning("the chunk policy of the measured costs %s (first %d, steady %d) does not "
+                    "fit the other settings and is not used: %s", cache.path, policy.first,
+                    policy.steady, e)
+        return prof, sources, settings, None
+    return cprof, csources, _settings(a, path, cprof, csources), cache.path
+
+
+def pipeline_settings(a: argparse.Namespace, hw=None):
+    """PipelineSettings for ``serve`` from the flags and the effective profile (whose
+    calibration layer is the cached chunk calibration of these settings, if any)."""
+    from omni_stream.edge.adapt import format_profile
+    from omni_stream.edge.probe import load_profile
+    from omni_stream.checkpoints.default import resolve_model_path
+
+    path = resolve_model_path(a.model)
+    if hw is None and a.profile != "none":
+        hw = load_profile()
+    prof, sources, settings, calib = _with_calibration(
+        a, path, lambda c: effective_profile(a, path, hw, calibration=c))
+    log.info("effective profile (--profile %s%s):\n%s", a.profile,
+             f", measured costs {calib}" if calib else "", format_profile(prof, sources))
+    return settings, prof, sources
