@@ -76,21 +76,29 @@ class LocalCluster:
     # ------------------------------------------------------------------ deployments
     def deploy(self, *, replicas: int = 1, args: argparse.Namespace | None = None,
                backend=None, settings=None, streams: int = 8, queue: int = 16,
-               timeout: float = 180.0, force: bool = False) -> None:
-        """Run the application with this replica configuration (kept if it already runs)."""
+               autoscaling=None, timeout: float = 180.0, force: bool = False) -> None:
+        """Run the application with this replica configuration (kept if it already runs).
+        ``autoscaling``: a Serve AutoscalingConfig (``replicas`` is then the count to wait for
+        at first)."""
         from ray import serve
 
         from omni_stream.cluster.launch import APP_NAME, DEPLOYMENT, base_options
         from omni_stream.cluster.replica import OmniStreamReplica
 
-        key = pickle.dumps((replicas, args, backend, settings, streams, queue))
+        key = pickle.dumps((replicas, args, backend, settings, streams, queue,
+                            autoscaling is None))
         if key == self._key and not force:
             return
         self._key = None
         opts = base_options(REPLICA_CPUS, 0.0, streams, queue, 2.0)
         opts["graceful_shutdown_timeout_s"] = 5.0
+        if autoscaling is not None:
+            opts["autoscaling_config"] = autoscaling
+            key = None
+        else:
+            opts["num_replicas"] = replicas
         app = serve.deployment(OmniStreamReplica).options(
-            name=DEPLOYMENT, num_replicas=replicas, **opts).bind(args, backend, settings)
+            name=DEPLOYMENT, **opts).bind(args, backend, settings)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         self.wait_replicas(replicas, timeout)
         self._key = key

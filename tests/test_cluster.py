@@ -510,6 +510,89 @@ def test_overload_across_replicas_gets_429s_and_every_admitted_stream_completes(
     assert len({g["body"] for g in got if g["status"] == 200}) == 1  # seeded, bit-identical
 
 
+def _stage_pids(replica_pid: int) -> list[int]:
+    """The pipeline's stage processes of a replica (its spawned children)."""
+    out = []
+    for pid in _descendants(replica_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if ppid == replica_pid and b"spawn_main" in cmd:
+            out.append(pid)
+    return out
+
+
+def test_a_replica_whose_stage_died_is_routed_around_and_recovers(base_cluster):
+    cluster, _ = base_cluster
+    health = cluster.wait_replicas(2)
+    sick = health["replicas"][0]
+    stages = _stage_pids(sick["pid"])
+    assert len(stages) >= 2, stages
+    import base64
+    ref = "data:audio/wav;base64," + base64.b64encode(_ref_wav(1.5)).decode()
+    body = {"input": TEXT, "response_format": "pcm", "seed": 5, "model": "tts-1",
+            "max_new_tokens": 16, "ref_audio": ref, "x_vector_only": True}
+    os.kill(stages[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    got = []
+    while time.monotonic() - t0 < 6:
+        r = _spread(cluster.url, body, 1)[0]
+        got.append((round(time.monotonic() - t0, 2), r))
+        time.sleep(0.1)
+    for t, r in got:  # answered with the single server's contract, never a bare failure
+        assert r["status"] in (200, 500, 503), (t, r["status"], r["body"][:200])
+        if r["status"] == 503:  # the pipeline is restarting
+            assert r["retry_after"] and json.loads(r["body"])["error"]["code"], r
+        elif r["status"] == 500:  # in flight on the stage that died
+            assert json.loads(r["body"])["error"]["code"] == "stage_failed", r
+        else:
+            assert r["result"] == "complete"
+    # once the router knows (its stats period is 0.5 s), requests go to the healthy replica
+    late = [r for t, r in got if t > 2.0]
+    assert late and all(r["status"] == 200 for r in late), [(t, r["status"]) for t, r in got]
+    # the sick replica is marked unhealthy (its check_health fails while its pipeline is
+    # down): it restarts its stages (the single server's supervisor) or Serve replaces it;
+    # either way two replicas serve again
+    deadline = time.monotonic() + 120
+    while True:
+        ids = {r["replica"] for r in cluster.wait_replicas(2, timeout=180)["replicas"]}
+        got = _spread(cluster.url, body, 6)
+        served = {r["replica"] for r in got if r["status"] == 200}
+        if served == ids and all(r["status"] == 200 for r in got):
+            break
+        assert time.monotonic() < deadline, (served, ids, [r["status"] for r in got])
+        time.sleep(1)
+
+
+def test_voices_survive_a_registry_restart(base_cluster):
+    import ray
+
+    from omni_stream.cluster.registry import registry_handle
+
+    cluster, _ = base_cluster
+    status, rec = run_async(_upload(cluster.url, "Keeper", _ref_wav()), 120)
+    assert status == 201, rec
+    ray.kill(registry_handle(), no_restart=False)  # Ray restarts it; it reloads the folder
+
+    async def voices():
+        async with aiohttp.ClientSession() as s, s.get(cluster.url + "/v1/audio/voices") as r:
+            return r.status, await r.json()
+
+    deadline = time.monotonic() + 60
+    while True:
+        status, listing = run_async(voices(), 30)
+        if status == 200:
+            break
+        assert status == 503 and time.monotonic() < deadline, (status, listing)
+        time.sleep(0.5)
+    assert "keeper" in [v["name"].lower() for v in listing["uploaded_voices"]]
+    spoken = _spread(cluster.url, {"input": TEXT, "voice": "keeper", "response_format": "pcm",
+                                   "seed": 1, "max_new_tokens": 8, "model": "tts-1"}, 2)
+    assert all(g["status"] == 200 for g in spoken), spoken
+
+
 def test_a_replica_killed_mid_stream_fails_only_its_streams(base_cluster):
     cluster, _ = base_cluster
     health = cluster.wait_replicas(2)
@@ -571,3 +654,33 @@ def test_a_replica_killed_mid_stream_fails_only_its_streams(base_cluster):
     back = cluster.wait_replicas(2, timeout=240)
     assert victim not in {r["replica"] for r in back["replicas"]}
     assert {r["pid"] for r in back["replicas"]} & {pids[victim]} == set()
+
+
+def test_autoscaling_follows_the_capacity_in_use(ray_cluster):
+    """1..2 replicas at target utilisation 0.5: streams filling one replica's capacity add the
+    second; when they end it goes again."""
+    from omni_stream.cluster.launch import autoscaling_config
+    from omni_stream.server.fake_backend import FakeBackend
+
+    backend = FakeBackend(max_streams=2, max_queue=4, frame_delay=0.02)
+    ray_cluster.deploy(replicas=1, backend=backend, autoscaling=autoscaling_config(
+        1, 2, 0.5, upscale_delay_s=0.0, downscale_delay_s=2.0, look_back_s=2.0))
+    url = ray_cluster.url
+
+    async def load():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(_speech(s, url, {"input": "word " * 400,
+                                                          "response_format": "pcm"}))
+                     for _ in range(2)]
+            peak, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < 40 and peak < 2:
+                async with s.get(url + "/health") as r:
+                    peak = max(peak, (await r.json()).get("replicas_up", 0))
+                await asyncio.sleep(0.5)
+            done = await asyncio.gather(*tasks)
+            return peak, done
+
+    peak, done = run_async(load(), 120)
+    assert all(d["status"] == 200 and d["result"] == "complete" for d in done)
+    assert peak == 2, "no second replica while one replica's capacity was in use"
+    ray_cluster.wait_replicas(1, timeout=90)  # and back down once idle

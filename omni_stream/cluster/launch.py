@@ -109,12 +109,23 @@ def base_options(num_cpus: float, num_gpus: float, streams: int, queue: int,
         graceful_shutdown_wait_loop_s=1.0)
 
 
-def deployment_options(a: argparse.Namespace) -> dict:
-    """Serve options of the replica deployment for these flags."""
+def autoscaling_config(least: int, most: int, target_utilisation: float, upscale_delay_s: float,
+                       downscale_delay_s: float, look_back_s: float = 5.0):
+    """Serve's autoscaling on capacity in use (``autoscale.CapacityPolicy``)."""
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
     from omni_stream.cluster.autoscale import CapacityPolicy
 
+    return AutoscalingConfig(
+        min_replicas=least, max_replicas=most, initial_replicas=max(1, least),
+        upscale_delay_s=upscale_delay_s, downscale_delay_s=downscale_delay_s,
+        metrics_interval_s=1.0, look_back_period_s=look_back_s,
+        policy=AutoscalingPolicy(policy_function=CapacityPolicy,
+                                 policy_kwargs={"target_utilisation": target_utilisation}))
+
+
+def deployment_options(a: argparse.Namespace) -> dict:
+    """Serve options of the replica deployment for these flags."""
     scaling = a.min_replicas is not None
     most = a.max_replicas if scaling else (a.replicas or 1)
     gpus = a.replica_gpus
@@ -124,12 +135,9 @@ def deployment_options(a: argparse.Namespace) -> dict:
         _replica_cpus(a, most), gpus, a.max_streams or 64, a.max_queue,
         getattr(a, "shutdown_timeout", 10.0)))
     if scaling:
-        opts["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-            initial_replicas=max(1, a.min_replicas), upscale_delay_s=a.upscale_delay,
-            downscale_delay_s=a.downscale_delay, metrics_interval_s=1.0, look_back_period_s=5.0,
-            policy=AutoscalingPolicy(policy_function=CapacityPolicy,
-                                     policy_kwargs={"target_utilisation": a.target_utilisation}))
+        opts["autoscaling_config"] = autoscaling_config(
+            a.min_replicas, a.max_replicas, a.target_utilisation, a.upscale_delay,
+            a.downscale_delay)
     else:
         opts["num_replicas"] = a.replicas or 1
     return opts

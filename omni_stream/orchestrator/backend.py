@@ -421,14 +421,16 @@ class PipelineBackend:
                             stream_codes=job.stream_codes,
                             text_cap=(self.s.frame_cap if feed_tok is not None
                                       and job.max_frames is None else None))
-            with stepstats.phase("server.dispatch"):
-                pipe.send(msg)
-            if feed_tok is not None:
-                if feed_tok.closed:
+            try:
+                with stepstats.phase("server.dispatch"):
+                    pipe.send(msg)
+                if feed_tok is not None and feed_tok.closed:
                     pipe.send(AppendText(stream_id=sid, close=True))
-                else:
-                    forwarder = asyncio.create_task(
-                        self._forward_text(sid, st, job, feed_tok, pipe))
+            except ChannelClosed:  # a stage died just now; the supervisor restarts it
+                raise BackendError(503, "unavailable", "the model pipeline is restarting",
+                                   retry_after=2) from None
+            if feed_tok is not None and not feed_tok.closed:
+                forwarder = asyncio.create_task(self._forward_text(sid, st, job, feed_tok, pipe))
             total = 0
             first_t = None
             while True:
