@@ -34,6 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 REPLICA = "x-omni-stream-replica"
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
 REF_TEXT = "A short reference sentence for the cloned voice."
+QUEUE = 8  # requests a replica of the tiny Base deployment queues
 
 
 # ------------------------------------------------------------------ router and autoscaling
@@ -333,7 +334,7 @@ def test_cli_serves_on_a_local_cluster_and_leaves_nothing_behind(ckpt_factory, t
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_stream.cli", "serve", "--ray", "local", "--replicas", "2",
          "--model", str(ck), "--port", str(port), "--voice-dir", str(tmp_path / "voices"),
-         "--max-queue", "0"],
+         "--max-queue", "8", "--queue-timeout", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -422,9 +423,11 @@ def _ref_wav(seconds: float = 2.5, sr: int = 24000) -> bytes:
 def base_cluster(ray_cluster, ckpt_factory):
     """Two replicas of a tiny Base model (voice cloning) behind the entry."""
     ck = ckpt_factory("tiny", "base", 0)
-    args = _serve_args("--model", str(ck), "--max-queue", "0")
+    # a queue deep enough that the tests' bursts wait rather than being refused, whatever
+    # capacity the replicas measure on a busy machine (the overload test goes past it)
+    args = _serve_args("--model", str(ck), "--max-queue", str(QUEUE), "--queue-timeout", "600")
     args.model = str(ck)
-    ray_cluster.deploy(replicas=2, args=args, streams=4, queue=0, force=True)
+    ray_cluster.deploy(replicas=2, args=args, streams=4, queue=QUEUE, force=True)
     return ray_cluster, args
 
 
@@ -433,7 +436,7 @@ def _spread(url: str, body: dict, n: int) -> list[dict]:
     async def go():
         async with aiohttp.ClientSession() as s:
             return await asyncio.gather(*[_speech(s, url, body) for _ in range(n)])
-    return run_async(go(), 180)
+    return run_async(go(), 600)
 
 
 def test_voice_uploaded_through_the_entry_speaks_on_every_replica_and_equals_a_single_server(
@@ -490,22 +493,23 @@ def test_voice_uploaded_through_the_entry_speaks_on_every_replica_and_equals_a_s
 def test_overload_across_replicas_gets_429s_and_every_admitted_stream_completes(base_cluster):
     cluster, _ = base_cluster
     health = cluster.wait_replicas(2)
-    capacity = health["capacity_streams"]
+    slots = sum(r["slots"] for r in health["replicas"])
+    offered = slots + 2 * QUEUE + 6  # past what the two replicas run and queue
     import base64
 
-    body = {"input": TEXT, "response_format": "pcm", "seed": 2, "max_new_tokens": 40,
+    body = {"input": TEXT, "response_format": "pcm", "seed": 2, "max_new_tokens": 16,
             "model": "tts-1", "x_vector_only": True,
             "ref_audio": "data:audio/wav;base64," + base64.b64encode(_ref_wav(1.5)).decode()}
-    got = _spread(cluster.url, body, 3 * capacity)
+    got = _spread(cluster.url, body, offered)
     statuses = [g["status"] for g in got]
     assert not [s for s in statuses if s >= 500], statuses  # no 5xx
-    assert statuses.count(429) > 0 and statuses.count(200) >= capacity // 2, statuses
+    assert statuses.count(429) >= 6 and statuses.count(200) >= slots, statuses
     for g in got:
         if g["status"] == 429:
             err = json.loads(g["body"])["error"]
             assert err["code"] == "server_busy" and int(g["retry_after"]) >= 1
         else:
-            assert g["result"] == "complete" and len(g["body"]) == 40 * 1920 * 2
+            assert g["result"] == "complete" and len(g["body"]) == 16 * 1920 * 2
     assert len({g["replica"] for g in got if g["status"] == 200}) == 2
     assert len({g["body"] for g in got if g["status"] == 200}) == 1  # seeded, bit-identical
 
@@ -601,28 +605,25 @@ def test_a_replica_killed_mid_stream_fails_only_its_streams(base_cluster):
     ref = "data:audio/wav;base64," + base64.b64encode(_ref_wav(1.5)).decode()
 
     def body(seed):
-        return {"input": TEXT * 3, "response_format": "pcm", "seed": seed, "model": "tts-1",
-                "max_new_tokens": 200, "ref_audio": ref, "x_vector_only": True}
+        # long enough (48 s of audio) to be running when the replica is killed
+        return {"input": TEXT * 8, "response_format": "pcm", "seed": seed, "model": "tts-1",
+                "max_new_tokens": 600, "ref_audio": ref, "x_vector_only": True}
 
-    # the reference: the same seeded requests, undisturbed
-    seeds = [21, 22, 23, 24]
-    reference = {}
-    for seed in seeds:
-        r = _spread(cluster.url, body(seed), 1)[0]
-        assert r["status"] == 200 and r["result"] == "complete"
-        reference[seed] = r["body"]
-
-    # start the streams, take each one's first chunk, kill the replica serving the first
+    # start streams one after another until both replicas hold some (the router fills the
+    # one with more free real-time capacity first), take each one's first chunk, kill the
+    # replica serving the first
     async def run_and_kill():
         async with aiohttp.ClientSession() as s:
             responses = {}
-            for seed in seeds:
+            for seed in range(21, 31):
                 r = await s.post(cluster.url + "/v1/audio/speech", json=body(seed))
                 assert r.status == 200
                 responses[seed] = r
+                if len({r.headers[REPLICA] for r in responses.values()}) == 2:
+                    break
             replicas = {seed: r.headers[REPLICA] for seed, r in responses.items()}
             assert len(set(replicas.values())) == 2, replicas
-            victim = replicas[seeds[0]]
+            victim = replicas[21]
             first = {seed: await r.content.readany() for seed, r in responses.items()}
             os.kill(pids[victim], signal.SIGKILL)
             out = {}
@@ -637,20 +638,23 @@ def test_a_replica_killed_mid_stream_fails_only_its_streams(base_cluster):
                 r.release()
             return victim, replicas, out
 
-    victim, replicas, out = run_async(run_and_kill(), 180)
-    for seed in seeds:
+    victim, replicas, out = run_async(run_and_kill(), 600)
+    survivors = [seed for seed in replicas if replicas[seed] != victim]
+    assert survivors and len(survivors) < len(replicas)
+    for seed in replicas:
         if replicas[seed] == victim:
             assert out[seed][0] == "aborted", seed  # the single server's contract
-        else:
-            assert out[seed] == ("complete", reference[seed]), seed  # bit-identical
     # the killed replica's stage processes clean up its shared memory
     deadline = time.monotonic() + 30
     while _segments({pids[victim]}) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _segments({pids[victim]}) == []
-    # new requests keep succeeding while it restarts, and Ray brings it back
-    again = _spread(cluster.url, body(seeds[1]), 2)
-    assert all(g["status"] == 200 and g["body"] == reference[seeds[1]] for g in again)
+    # new requests keep succeeding while it restarts; the surviving streams were bit-identical
+    # to the same seeded requests made undisturbed
+    for seed in survivors:
+        again = _spread(cluster.url, body(seed), 1)[0]
+        assert again["status"] == 200 and again["result"] == "complete"
+        assert out[seed] == ("complete", again["body"]), seed
     back = cluster.wait_replicas(2, timeout=240)
     assert victim not in {r["replica"] for r in back["replicas"]}
     assert {r["pid"] for r in back["replicas"]} & {pids[victim]} == set()

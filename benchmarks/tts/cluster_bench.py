@@ -6,7 +6,9 @@ Two measurements, each run side by side in one process on this machine:
    time and alternating, to the entry (Serve's proxy -> the replica's ASGI ingress -> its
    aiohttp server) and straight to that replica's aiohttp server (its address from the
    entry's /health). Same backend, same work: the difference is the entry's. TTFA p50/p95 of
-   each (n = ``--samples`` each) and the median of the paired differences.
+   each (n = ``--samples`` each) and the median of the paired differences; and the floor
+   under it: a request with no work through the entry and direct, and a Ray Serve app that
+   answers at once, through Serve's proxy and under uvicorn alone.
 2. **Aggregate real-time streams at 1 and 2 replicas.** For each replica count a fresh
    ``serve --ray local --replicas R --max-queue 0``; the capacity the replicas report
    (/health, summed) is offered as concurrent streams through the entry, in rounds until
@@ -151,6 +153,65 @@ def overhead(model: str, samples: int, frames: int, workdir: Path) -> dict:
             "start_s": round(c.start_s, 1)}
 
 
+class _Trivial:
+    """An ASGI app that answers at once: what Serve's proxy path costs by itself."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def serve_floor(samples: int) -> dict:
+    """GET p50 through Ray Serve's proxy to a replica whose ASGI app answers at once, and the
+    same app served by uvicorn alone (no Serve): Serve's own per-request cost on this
+    machine, the floor under the entry's overhead."""
+    import threading
+
+    import aiohttp
+    import ray
+    import uvicorn
+    from ray import serve
+
+    @serve.ingress()
+    class Floor:
+        def __serve_build_asgi_app__(self):
+            return _Trivial()
+
+    port, bare_port = free_port(), free_port()
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
+    server = uvicorn.Server(uvicorn.Config(_Trivial(), host="127.0.0.1", port=bare_port,
+                                           log_level="error", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(serve.deployment(Floor).options(ray_actor_options={"num_cpus": 0.5}).bind(),
+                  name="floor", route_prefix="/")
+
+        async def run():
+            out = {"serve": [], "uvicorn": []}
+            async with aiohttp.ClientSession() as s:
+                for name, p in (("serve", port), ("uvicorn", bare_port)) * 2:
+                    for i in range(samples):
+                        t0 = time.perf_counter()
+                        async with s.get(f"http://127.0.0.1:{p}/") as r:
+                            await r.read()
+                        out[name].append((time.perf_counter() - t0) * 1000)
+            return out
+
+        got = asyncio.run(run())
+    finally:
+        server.should_exit = True
+        serve.shutdown()
+        ray.shutdown()
+    return {"n": 2 * samples, "serve_trivial_ms_p50": pct(got["serve"], 0.5),
+            "uvicorn_trivial_ms_p50": pct(got["uvicorn"], 0.5)}
+
+
 def aggregate(model: str, replicas: int, samples: int, frames: int, workdir: Path) -> dict:
     c = Cluster(model, replicas, workdir / f"serve-{replicas}.log", [])
     cap = int(c.health.get("capacity_streams") or 0)
@@ -219,6 +280,10 @@ def main() -> int:
           f"{ov['paired_diff_ms_median']:.1f} ms (target <= 5 ms)")
     say(f"GET /v1/models p50 (no work: the path's own cost): direct "
         f"{ov['models_ms_p50']['direct']:.2f} ms, entry {ov['models_ms_p50']['entry']:.2f} ms")
+    floor = serve_floor(a.samples)
+    say(f"Ray Serve alone, an app that answers at once (n={floor['n']} each): through Serve's "
+        f"proxy {floor['serve_trivial_ms_p50']:.2f} ms, uvicorn alone "
+        f"{floor['uvicorn_trivial_ms_p50']:.2f} ms p50")
     agg = [aggregate(model, r, a.samples, a.stream_frames, work) for r in (1, 2)]
     say(f"\naggregate at the reported capacity ({a.stream_frames} frames per stream; the "
           "replicas share this machine's cores)")
@@ -229,7 +294,7 @@ def main() -> int:
               f"{r['refused']:>9}{r['underrun_streams']:>10}{r['ttfa_ms_p50']:>10.1f}"
               f"{r['ttfa_ms_p95']:>10.1f}{r['rtf_p50']:>9.3f}{(r['rtf_max'] or 0):>9.3f}")
     out = {"machine": m, "model": model if a.model else "tiny random (custom_voice, seed 0)",
-           "overhead": ov, "aggregate": agg,
+           "overhead": ov, "serve_floor": floor, "aggregate": agg,
            "target": {"entry_added_ttfa_ms_p50_at_most": 5.0,
                       "met": ov["added_ms_p50"] <= 5.0}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
