@@ -30,7 +30,7 @@ from typing import AsyncIterator
 REPLICA_CPUS = 0.25
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +67,7 @@ class LocalCluster:
                  logging_level=logging.WARNING, log_to_driver=False)
         self.voice_dir = tempfile.mkdtemp(prefix="omni-stream-cluster-voices-")
         self.registry = start_registry(self.voice_dir, ray.get_runtime_context().get_node_id())
-        self.port = _free_port()
+        self.port = free_port()
         serve.start(proxy_location="HeadOnly",
                     http_options={"host": "127.0.0.1", "port": self.port})
         self.url = f"http://127.0.0.1:{self.port}"

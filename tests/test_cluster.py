@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from omni_stream.cluster.entry import EntryMiddleware  # noqa: E402
 from omni_stream.cluster.launch import cluster_flags_valid  # noqa: E402
 from omni_stream.cluster.router import PROVISIONAL_S, InFlight, free_capacity, rank  # noqa: E402
 from omni_stream.server.testing import run_async  # noqa: E402
+from cluster_harness import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -270,12 +270,6 @@ def test_entry_does_not_resend_a_stream_that_started():
 
 
 # ------------------------------------------------------------------ real pipelines
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
@@ -329,7 +323,7 @@ def test_cli_serves_on_a_local_cluster_and_leaves_nothing_behind(ckpt_factory, t
     """`omni-stream serve --ray local --replicas 2`: both replicas answer through one entry;
     SIGTERM ends it with no process and no shared-memory segment left."""
     ck = ckpt_factory("tiny", "custom_voice", 0)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "omni_stream.cli", "serve", "--ray", "local", "--replicas", "2",
