@@ -405,3 +405,187 @@ def test_continuous_text_mode_on_the_fake_backend():
     starts, done = arun(main())
     assert done == 2 and len(starts) == 2
     assert all(s["text_mode"] == "continuous" for s in starts)
+
+
+# ------------------------------------------------------------------ input.cancel, context_id
+async def _events_until(ws, event_type: str) -> tuple[list, int]:
+    """(messages up to and including ``event_type``, binary frames among them)."""
+    out = await read_until(ws, event_type)
+    return out, sum(isinstance(m, bytes) for m in out)
+
+
+def test_cancel_stops_the_running_utterance_frees_its_slot_and_keeps_the_session():
+    """input.cancel mid-utterance: audio.cancelled names it, nothing of it comes after, the
+    backend stream is closed (counted as cancelled, not disconnected), queued utterances and
+    buffered text are dropped with it, and the session speaks the next text normally."""
+    async def main():
+        backend = FakeBackend(frame_delay=0.02)
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            before = await backend_stats(s, url)
+            async with s.ws_connect(url + WS_PATH) as ws:
+                assert (await ws.receive_json())["type"] == "session.created"
+                await ws.send_json({"type": "input.text", "text": "word " * 200 + ". Next one. "})
+                await ws.send_json({"type": "input.text", "text": "buffered, not ended"})
+                start = await ws.receive_json()
+                assert start["type"] == "audio.start"
+                assert (await ws.receive()).type == aiohttp.WSMsgType.BINARY
+                await ws.send_json({"type": "input.cancel"})
+                msgs, _ = await _events_until(ws, "audio.cancelled")
+                cancelled = msgs[-1]
+                assert not any(isinstance(m, dict) and m["type"] == "audio.done" for m in msgs)
+                after_cancel = await wait_backend(s, url, lambda st: st["active_streams"] == 0,
+                                                  timeout=5)
+                await ws.send_json({"type": "input.text", "text": "After the cancel."})
+                await ws.send_json({"type": "session.close"})
+                rest = await read_until(ws, "session.done")
+            async with s.get(url + "/metrics") as r:
+                metrics = await r.text()
+            return start, cancelled, rest, before, after_cancel, metrics
+
+    start, cancelled, rest, before, after, metrics = arun(main())
+    assert cancelled["context_id"] is None
+    assert cancelled["request_ids"][0] == start["request_id"]
+    assert len(cancelled["request_ids"]) == 2  # the running one and the queued "Next one."
+    assert after["streams_cancelled_total"] - before["streams_cancelled_total"] == 1
+    (u,) = utterances(rest)  # only the text sent after the cancel is spoken
+    assert u[0]["text"] == "After the cancel." and u[2]["finish_reason"] == "stop"
+    assert u[0]["request_id"] not in cancelled["request_ids"]
+    assert 'endpoint="ws",outcome="cancelled"' in metrics
+    assert "omni_stream_ws_cancels_total" in metrics
+
+
+def test_cancel_with_nothing_running_is_answered_and_harmless():
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "input.cancel"})
+            first = await ws.receive_json()
+            await ws.send_json({"type": "input.cancel", "context_id": "turn-9"})
+            second = await ws.receive_json()
+            await ws.send_json({"type": "input.text", "text": "Still here."})
+            await ws.send_json({"type": "session.close"})
+            return first, second, await read_until(ws, "session.done")
+
+    first, second, rest = arun(main())
+    assert first == {"type": "audio.cancelled", "context_id": None, "request_ids": []}
+    assert second == {"type": "audio.cancelled", "context_id": "turn-9", "request_ids": []}
+    assert [u[0]["text"] for u in utterances(rest)] == ["Still here."]
+
+
+def test_context_ids_label_utterances_and_cancel_only_their_own():
+    """Sentences mode: each utterance's events carry its context_id; cancelling one label
+    drops only its utterances (queued here), the other turn completes."""
+    async def main():
+        async with ws_session(FakeBackend(frame_delay=0.01)) as ws:
+            await ws.send_json({"type": "input.text", "text": "First turn speaks. ",
+                                "context_id": "a"})
+            await ws.send_json({"type": "input.text", "text": "Second turn. More of it. ",
+                                "context_id": "b"})
+            await ws.send_json({"type": "input.cancel", "context_id": "b"})
+            await ws.send_json({"type": "session.close"})
+            return await read_until(ws, "session.done")
+
+    msgs = arun(main())
+    cancelled = [m for m in msgs if isinstance(m, dict) and m["type"] == "audio.cancelled"]
+    assert len(cancelled) == 1 and cancelled[0]["context_id"] == "b"
+    assert len(cancelled[0]["request_ids"]) == 2  # both of b's sentences, never started
+    done = utterances(msgs)
+    assert [(u[0]["context_id"], u[2]["context_id"]) for u in done] == [("a", "a")]
+    assert done[0][0]["request_id"] not in cancelled[0]["request_ids"]
+
+
+def test_continuous_context_ids_close_the_open_turn_and_stale_done_is_a_no_op():
+    """Continuous mode: a piece with another context_id closes the open utterance and opens
+    the next; an input.done for a label no longer open closes nothing; each utterance's
+    waits, start and done carry its label."""
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json({"type": "session.config", "text_mode": "continuous"})
+            await ws.receive_json()
+            for piece in ("Turn a ", "has words."):
+                await ws.send_json({"type": "input.text", "text": piece, "context_id": "a"})
+            await ws.send_json({"type": "input.text", "text": "Turn b ", "context_id": "b"})
+            await ws.send_json({"type": "input.done", "context_id": "a"})  # stale: b stays open
+            await ws.send_json({"type": "input.text", "text": "goes on.", "context_id": "b"})
+            await ws.send_json({"type": "input.done", "context_id": "b"})
+            await ws.send_json({"type": "session.close"})
+            return await read_until(ws, "session.done")
+
+    msgs = arun(main())
+    done = utterances(msgs)
+    assert [u[0]["context_id"] for u in done] == ["a", "b"]
+    assert [u[2]["usage"]["input_tokens"] > 0 for u in done] == [True, True]
+    labelled = [m for m in msgs if isinstance(m, dict)
+                and m["type"] in ("text.waiting", "text.resumed", "audio.start", "audio.done")]
+    assert all(m["context_id"] in ("a", "b") for m in labelled)
+    assert not [m for m in msgs if isinstance(m, dict) and m["type"] == "error"]
+    # each input.done with a label is answered once everything of it sent before was spoken
+    kinds = [(m["type"], m.get("context_id")) for m in msgs if isinstance(m, dict)
+             and m["type"] in ("audio.done", "context.done")]
+    assert kinds == [("audio.done", "a"), ("context.done", "a"), ("audio.done", "b"),
+                     ("context.done", "b")]
+
+
+def test_cancel_of_an_open_continuous_utterance_waiting_for_text():
+    """A continuous utterance waiting for its text (no input.done yet) is cancelled and the
+    next piece opens a new utterance (the fake backend admits a continuous stream only once
+    its text is closed; tests/test_agents.py shows the slot freed on the real pipeline)."""
+    async def main():
+        backend = FakeBackend()
+        async with running_server(backend) as url, aiohttp.ClientSession() as s:
+            async with s.ws_connect(url + WS_PATH) as ws:
+                assert (await ws.receive_json())["type"] == "session.created"
+                await ws.send_json({"type": "session.config", "text_mode": "continuous"})
+                await ws.receive_json()
+                await ws.send_json({"type": "input.text", "text": "Hello there, this "})
+                await asyncio.sleep(0.05)
+                await ws.send_json({"type": "input.cancel"})
+                cancelled = (await read_until(ws, "audio.cancelled"))[-1]
+                assert len(cancelled["request_ids"]) == 1
+                idle = await wait_backend(s, url, lambda st: st["active_streams"] == 0,
+                                          timeout=5)
+                await ws.send_json({"type": "input.text", "text": "New turn."})
+                await ws.send_json({"type": "input.done"})
+                await ws.send_json({"type": "session.close"})
+                return await read_until(ws, "session.done"), idle
+
+    rest, idle = arun(main())
+    assert idle["active_streams"] == 0
+    (u,) = utterances(rest)
+    assert u[2]["finish_reason"] == "stop"
+
+
+def test_cancel_after_session_close_still_ends_the_session():
+    async def main():
+        async with ws_session(FakeBackend(frame_delay=0.02)) as ws:
+            await ws.send_json({"type": "input.text", "text": "word " * 100})
+            await ws.send_json({"type": "session.close"})
+            await read_until(ws, "audio.start")
+            await ws.send_json({"type": "input.cancel"})
+            return await read_until(ws, "session.done")
+
+    msgs = arun(main())
+    kinds = [m["type"] for m in msgs if isinstance(m, dict)]
+    assert kinds == ["audio.cancelled", "session.done"]
+
+
+@pytest.mark.parametrize("event, param", [
+    ({"type": "input.text", "text": "hi", "voice_id": "x"}, "voice_id"),
+    ({"type": "input.done", "flush": True}, "flush"),
+    ({"type": "input.cancel", "all": True}, "all"),
+    ({"type": "input.text", "text": "hi", "context_id": "x" * 129}, "context_id"),
+    ({"type": "input.text", "text": "hi", "context_id": ""}, "context_id"),
+    ({"type": "input.cancel", "context_id": "a\x00b"}, "context_id"),
+    ({"type": "input.text", "text": "hi", "context_id": 7}, "context_id"),
+])
+def test_unknown_or_bad_fields_on_input_events_are_refused_by_name(event, param):
+    async def main():
+        async with ws_session(FakeBackend()) as ws:
+            await ws.send_json(event)
+            err = await ws.receive_json()
+            await ws.send_json({"type": "input.text", "text": "Fine."})
+            await ws.send_json({"type": "session.close"})
+            return err, await read_until(ws, "session.done")
+
+    err, rest = arun(main())
+    assert err["type"] == "error" and err["error"]["param"] == param, err
+    assert [u[0]["text"] for u in utterances(rest)] == ["Fine."]

@@ -118,12 +118,14 @@ class ServerMetrics:
                                     registry=r)
         self.stream_outcomes = Counter("omni_stream_streams",
                                        "Finished streams by outcome (completed, disconnected, "
-                                       "error)", ["endpoint", "outcome"], registry=r)
+                                       "cancelled, rejected, error)", ["endpoint", "outcome"], registry=r)
         self.audio_seconds = Counter("omni_stream_audio_seconds",
                                      "Seconds of audio (or codec frames) sent", ["endpoint"],
                                      registry=r)
         self.ws_sessions = Gauge("omni_stream_ws_sessions", "Open WebSocket sessions",
                                  registry=r)
+        self.ws_cancels = Counter("omni_stream_ws_cancels", "WebSocket input.cancel events "
+                                  "answered", registry=r)
         r.register(_BackendStatsCollector(backend_stats))
         if capacity_info is not None:
             r.register(_CapacityCollector(capacity_info))

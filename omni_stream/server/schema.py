@@ -76,19 +76,26 @@ class SessionConfig(SynthesisOptions, kw_only=True, tag="session.config", tag_fi
     text_mode: str | None = None  # "sentences" (default) | "continuous": one utterance fed live
 
 
-class InputText(msgspec.Struct, tag="input.text", tag_field="type"):
+class InputText(msgspec.Struct, forbid_unknown_fields=True, tag="input.text", tag_field="type"):
     text: str
+    context_id: str | None = None  # the client's label for the utterance this text goes to
 
 
-class InputDone(msgspec.Struct, tag="input.done", tag_field="type"):
+class InputDone(msgspec.Struct, forbid_unknown_fields=True, tag="input.done", tag_field="type"):
+    context_id: str | None = None  # continuous: close only the utterance with this label
+
+
+class InputCancel(msgspec.Struct, forbid_unknown_fields=True, tag="input.cancel",
+                  tag_field="type"):
+    context_id: str | None = None  # None: every utterance of the session
+
+
+class SessionClose(msgspec.Struct, forbid_unknown_fields=True, tag="session.close",
+                   tag_field="type"):
     pass
 
 
-class SessionClose(msgspec.Struct, tag="session.close", tag_field="type"):
-    pass
-
-
-ClientEvent = Union[SessionConfig, InputText, InputDone, SessionClose]
+ClientEvent = Union[SessionConfig, InputText, InputDone, InputCancel, SessionClose]
 
 
 def new_request_id(prefix: str = "speech") -> str:

@@ -32,6 +32,7 @@ class StreamRun:
         self.frames_sent = 0
         self._gen: AsyncGenerator[AudioChunk, None] | None = None
         self._first_sent = False
+        self.cancelled = False  # set by the caller that stops it on purpose (WS input.cancel)
 
     async def __aenter__(self) -> "StreamRun":
         self._gen = self.backend.stream(self.job)
@@ -47,7 +48,7 @@ class StreamRun:
             if exc_type is None:
                 outcome = "completed" if self.final is not None else "error"
             elif issubclass(exc_type, (asyncio.CancelledError, ConnectionError)):
-                outcome = "disconnected"
+                outcome = "cancelled" if self.cancelled else "disconnected"
             elif (issubclass(exc_type, ApiError) and self.frames_sent == 0
                   and (exc.status < 500 or exc.status == 503)):
                 outcome = "rejected"  # refused at admission (queue full, shutting down)

@@ -15,7 +15,19 @@ Client -> server (JSON text messages, field ``type``):
       of the whole text sent at once in text-streaming mode.
   ``input.done``: the rest of the buffer becomes an utterance (continuous: closes it; the next
       ``input.text`` starts the next one).
+  ``input.cancel`` {context_id?}: stop speaking (barge-in) and keep the session: the running
+      utterance stops (its backend stream closes, freeing its slot), queued utterances, the
+      open continuous one and the unsent buffer are dropped. With ``context_id``, only the
+      utterances (and buffered text) with that label. Answered by ``audio.cancelled``.
   ``session.close``: flush the buffer, finish every queued utterance, then ``session.done``.
+  ``context_id`` (optional, on ``input.text`` / ``input.done`` / ``input.cancel``, at most 128
+      characters): the client's label for an utterance, echoed on every event of that utterance
+      (audio.start, audio.done, text.waiting/resumed, codec.frames, codec.prime, its errors), so
+      a client can run several conversational turns over one session. A piece with another
+      context_id than the open continuous utterance's (or than the buffered text's, in
+      sentences mode) first closes that one, as ``input.done`` would; an ``input.done`` with a
+      context_id closes only that utterance (one already closed: nothing to do) and is
+      answered by ``context.done`` once everything sent under that label before it is spoken.
 
 Server -> client:
   ``session.created`` {session} on connect; ``session.updated`` {session} per accepted config;
@@ -39,7 +51,17 @@ Server -> client:
   of ``n`` codec frames is preceded by a JSON ``codec.frames`` {request_id, offset, frames,
   shape: [n, 16], dtype: "int64"} message; the binary frame is those codes as little-endian
   int64, row-major [n, 16] (n * 128 bytes).
-  Errors are ``error`` {error: {message, type, param, code}, request_id?} events; the session
+  ``context.done`` {context_id} answers ``input.done`` {context_id}: every utterance of that
+  label sent before it has ended (done, failed or cancelled); one turn may have been spoken as
+  several utterances (closed early by another label's text, or ended by the model before its
+  text did). Not sent for a label cancelled before it.
+  ``audio.cancelled`` {context_id, request_ids} answers ``input.cancel``: ``request_ids`` are
+  the utterances it stopped or dropped (running first; empty when nothing matched). Every
+  message of those utterances comes before it and none after it, so a client drops the audio
+  it receives between sending ``input.cancel`` and this event (audio in flight); the binary
+  frames in between belong to the utterance of the last ``audio.start``.
+  Errors are ``error`` {error: {message, type, param, code}, request_id?, context_id?} events;
+  the session
   stays open. An ``input.text`` piece or ``instructions`` with a control character (other than
   tab, newline, carriage return) or a lone surrogate is refused whole with code
   ``invalid_characters``. Close codes: 1000 after session.close, 1001 server shutdown, 1009
@@ -53,7 +75,7 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -62,9 +84,9 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from omni_stream.server.audio import to_s16le
 from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob, TextFeed
 from omni_stream.server.errors import ApiError
-from omni_stream.server.schema import (ClientEvent, InputDone, InputText, SessionClose,
-                                       SessionConfig, check_characters, check_text, decode_json,
-                                       new_request_id, resolve_options)
+from omni_stream.server.schema import (ClientEvent, InputCancel, InputDone, InputText,
+                                       SessionClose, SessionConfig, check_characters, check_text,
+                                       decode_json, new_request_id, resolve_options)
 from omni_stream.server.speech import check_ready
 from omni_stream.server.sse import delta_event, error_event
 from omni_stream.server.state import STATE, ServerState
@@ -94,6 +116,40 @@ def split_sentences(buffer: str, max_chars: int, sentences: bool = True) -> tupl
     return [s for s in out if s], rest
 
 
+MAX_CONTEXT_ID_CHARS = 128
+
+
+@dataclass
+class Utterance:
+    """A queued utterance: the backend job and the client's label for it."""
+
+    job: SpeechJob
+    context_id: str | None = None
+
+    def tag(self, event: dict[str, Any]) -> dict[str, Any]:
+        """``event`` with this utterance's request_id and (if any) context_id."""
+        event["request_id"] = self.job.request_id
+        if self.context_id is not None:
+            event["context_id"] = self.context_id
+        return event
+
+
+@dataclass
+class ContextEnd:
+    """Queued by ``input.done`` {context_id}: answered with ``context.done`` when reached."""
+
+    context_id: str
+
+
+def check_context_id(context_id: str | None) -> None:
+    if context_id is None:
+        return
+    check_characters(context_id, "context_id")
+    if not context_id or len(context_id) > MAX_CONTEXT_ID_CHARS:
+        raise ApiError(400, f"context_id must be 1 to {MAX_CONTEXT_ID_CHARS} characters",
+                       code="invalid_value", param="context_id")
+
+
 class WsSession:
     """One WebSocket connection: a reader (this handler's task) and a worker that speaks the
     queued utterances in order, one at a time."""
@@ -104,8 +160,14 @@ class WsSession:
         self.config = SessionConfig()
         self.template = resolve_options(self.config, st.backend, st.settings, voices=st.voices)
         self.buffer = ""
+        self.buffer_context: str | None = None  # the label of the buffered text
         self.feed: TextFeed | None = None  # the open continuous utterance
-        self.queue: asyncio.Queue[SpeechJob | None] = asyncio.Queue()
+        self.feed_context: str | None = None  # its label
+        self.queue: asyncio.Queue[Utterance | ContextEnd | None] = asyncio.Queue()
+        self.current: Utterance | None = None  # the utterance being spoken
+        self.current_task: asyncio.Task | None = None  # the task speaking it
+        self.current_run: StreamRun | None = None
+        self.cancel_lock = asyncio.Lock()  # held by cancel() until audio.cancelled is sent
         self.send_lock = asyncio.Lock()  # keeps a codec.frames header next to its binary frame
         self.closing = False  # session.close received
         self.finishing = False  # the worker is closing the socket gracefully
@@ -115,10 +177,13 @@ class WsSession:
         async with self.send_lock:
             await self.ws.send_str(msgspec.json.encode(event).decode())
 
-    async def send_error(self, err: ApiError, request_id: str | None = None) -> None:
+    async def send_error(self, err: ApiError, utt: Utterance | None = None,
+                         context_id: str | None = None) -> None:
         event = error_event(err)
-        if request_id:
-            event["request_id"] = request_id
+        if utt is not None:
+            utt.tag(event)
+        elif context_id is not None:
+            event["context_id"] = context_id
         await self.send_json(event)
 
     def describe(self) -> dict[str, Any]:
@@ -163,8 +228,17 @@ class WsSession:
             event = decode_json(data, ClientEvent)
         except ApiError as err:
             if err.param == "type":
-                err.message += " (use session.config, input.text, input.done, session.close)"
+                err.message += (" (use session.config, input.text, input.done, input.cancel, "
+                                "session.close)")
             await self.send_error(err)
+            return
+        if isinstance(event, InputCancel):
+            try:
+                check_context_id(event.context_id)
+            except ApiError as e:
+                await self.send_error(e)
+                return
+            await self.cancel(event.context_id)
             return
         if self.closing:
             await self.send_error(ApiError(400, "session.close was received; open a new "
@@ -176,44 +250,131 @@ class WsSession:
                 await self.send_json({"type": "session.updated", "session": self.describe()})
             elif isinstance(event, InputText):
                 check_characters(event.text, "text")  # refused whole: the buffer stays clean
+                check_context_id(event.context_id)
                 if self.continuous:
-                    self.append(event.text)
+                    if self.feed is not None and event.context_id != self.feed_context:
+                        self.close_feed()  # another turn's text: this one is complete
+                    self.append(event.text, event.context_id)
                     return
+                if event.context_id != self.buffer_context:
+                    self.flush_buffer()
+                    self.buffer_context = event.context_id
                 pieces, self.buffer = split_sentences(self.buffer + event.text,
                                                       self.st.settings.max_input_chars,
                                                       self.config.split_sentences)
                 for piece in pieces:
-                    self.enqueue(piece)
-            elif isinstance(event, (InputDone, SessionClose)):
-                if self.feed is not None:
-                    self.feed.close()
-                    self.feed = None
-                text, self.buffer = self.buffer, ""
-                if text.strip():
-                    self.enqueue(text.strip())
-                if isinstance(event, SessionClose):
-                    self.closing = True
-                    self.queue.put_nowait(None)
+                    self.enqueue(piece, event.context_id)
+            elif isinstance(event, InputDone):
+                check_context_id(event.context_id)
+                if event.context_id is None or event.context_id == self.feed_context:
+                    self.close_feed()
+                if event.context_id is None or event.context_id == self.buffer_context:
+                    self.flush_buffer()
+                if event.context_id is not None:
+                    await self.end_context(event.context_id)
+            elif isinstance(event, SessionClose):
+                self.close_feed()
+                self.flush_buffer()
+                self.closing = True
+                self.queue.put_nowait(None)
         except ApiError as e:
-            await self.send_error(e)
+            await self.send_error(e, context_id=getattr(event, "context_id", None))
 
     @property
     def continuous(self) -> bool:
         return self.config.text_mode == "continuous"
 
-    def append(self, text: str) -> None:
+    def close_feed(self) -> None:
+        """Close the open continuous utterance (it goes on to its end)."""
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
+            self.feed_context = None
+
+    def flush_buffer(self) -> None:
+        """The buffered text (sentences mode) becomes an utterance."""
+        text, self.buffer = self.buffer, ""
+        if text.strip():
+            self.enqueue(text.strip(), self.buffer_context)
+
+    async def end_context(self, context_id: str) -> None:
+        """``context.done`` for ``context_id`` right after its last utterance: at once when
+        none is running or queued, else queued just behind the last one."""
+        items = self._take_queue()
+        last = max((i for i, u in enumerate(items)
+                    if isinstance(u, Utterance) and u.context_id == context_id), default=None)
+        running = self.current is not None and self.current.context_id == context_id
+        if last is None and not running:
+            self._refill(items)
+            await self.send_json({"type": "context.done", "context_id": context_id})
+            return
+        if len(items) >= self.st.settings.ws_max_pending_utterances:
+            self._refill(items)
+            self.check_pending()  # raises: too many pending
+        items.insert(0 if last is None else last + 1, ContextEnd(context_id))
+        self._refill(items)
+
+    def _take_queue(self) -> list[Utterance | ContextEnd | None]:
+        items = []
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def _refill(self, items: list[Utterance | ContextEnd | None]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
+    async def cancel(self, context_id: str | None) -> None:
+        """``input.cancel``: stop the running utterance and drop the queued ones (those labelled
+        ``context_id``, or all), then ``audio.cancelled``. Returns once the running one's
+        stream is closed, so nothing of it is sent after the answer."""
+        def match(label: str | None) -> bool:
+            return context_id is None or label == context_id
+
+        self.st.metrics.ws_cancels.inc()
+        async with self.cancel_lock:  # the worker waits for the answer before going on
+            stopped = await self._drop(match)
+            await self.send_json({"type": "audio.cancelled", "context_id": context_id,
+                                  "request_ids": stopped})
+
+    async def _drop(self, match) -> list[str]:
+        stopped: list[str] = []
+        if match(self.feed_context):
+            self.close_feed()
+        if match(self.buffer_context):
+            self.buffer = ""
+        kept: list[Utterance | ContextEnd | None] = []
+        for utt in self._take_queue():
+            if isinstance(utt, ContextEnd) and match(utt.context_id):
+                continue  # a cancelled turn gets no context.done
+            if isinstance(utt, Utterance) and match(utt.context_id):
+                stopped.append(utt.job.request_id)
+                if utt.job.text_feed is not None:
+                    utt.job.text_feed.close()
+            else:
+                kept.append(utt)
+        self._refill(kept)
+        utt, task = self.current, self.current_task
+        if utt is not None and task is not None and not task.done() and match(utt.context_id):
+            stopped.insert(0, utt.job.request_id)
+            if self.current_run is not None:
+                self.current_run.cancelled = True
+            task.cancel()
+            await asyncio.wait([task])
+        return stopped
+
+    def append(self, text: str, context_id: str | None = None) -> None:
         """Continuous mode: ``text`` joins the open utterance (opening one if none is)."""
         cap = self.st.settings.max_input_chars
         if self.feed is None:
             if not text:
                 return
-            if self.queue.qsize() >= self.st.settings.ws_max_pending_utterances:
-                raise ApiError(429, f"more than {self.st.settings.ws_max_pending_utterances} "
-                               "utterances pending: wait for audio.done before sending more",
-                               code="too_many_pending", param="text")
+            self.check_pending()
             self.feed = TextFeed()
-            self.queue.put_nowait(replace(self.template, text="", request_id=new_request_id("ws"),
-                                          text_feed=self.feed))
+            self.feed_context = context_id
+            self.queue.put_nowait(Utterance(
+                replace(self.template, text="", request_id=new_request_id("ws"),
+                        text_feed=self.feed), context_id))
         if self.feed.chars + len(text) > cap:
             raise ApiError(400, f"the utterance would pass {cap} characters: this piece was "
                            "refused; close it with input.done and go on in a new one",
@@ -252,28 +413,47 @@ class WsSession:
         self.template = await self.st.voices.attach_ref_audio(template, cfg)
         self.config = cfg
 
-    def enqueue(self, text: str) -> None:
+    def enqueue(self, text: str, context_id: str | None = None) -> None:
         check_text(text, self.st.settings, "text")
-        if self.queue.qsize() >= self.st.settings.ws_max_pending_utterances:
-            raise ApiError(429, f"more than {self.st.settings.ws_max_pending_utterances} "
-                           "utterances pending: wait for audio.done before sending more text",
-                           code="too_many_pending", param="text")
-        self.queue.put_nowait(replace(self.template, text=text, request_id=new_request_id("ws")))
+        self.check_pending()
+        self.queue.put_nowait(Utterance(replace(self.template, text=text,
+                                                request_id=new_request_id("ws")), context_id))
+
+    def check_pending(self) -> None:
+        cap = self.st.settings.ws_max_pending_utterances
+        if self.queue.qsize() >= cap:
+            raise ApiError(429, f"more than {cap} utterances pending: wait for audio.done before "
+                           "sending more text", code="too_many_pending", param="text")
 
     # --- worker --------------------------------------------------------------------------------
     async def work(self) -> None:
         try:
-            while (job := await self.queue.get()) is not None:
+            while (utt := await self.queue.get()) is not None:
+                if isinstance(utt, ContextEnd):
+                    await self.send_json({"type": "context.done", "context_id": utt.context_id})
+                    continue
+                # the utterance runs as a task of its own: input.cancel stops it, not the worker
+                task = asyncio.create_task(self.speak(utt))
+                self.current, self.current_task = utt, task
                 try:
-                    await self.speak(job)
-                except ApiError as e:
-                    await self.send_error(e, job.request_id)
+                    await asyncio.wait([task])
                 finally:
-                    if job.text_feed is not None and job.text_feed is self.feed:
+                    if not task.done():  # the worker itself was cancelled
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                            await task
+                    self.current = self.current_task = self.current_run = None
+                    if utt.job.text_feed is not None and utt.job.text_feed is self.feed:
                         # over before its close (failed, or the model ended it): the next
                         # input.text starts a new utterance
-                        self.feed.close()
-                        self.feed = None
+                        self.close_feed()
+                if task.cancelled():
+                    async with self.cancel_lock:  # input.cancel answers before anything else
+                        continue
+                if isinstance(err := task.exception(), ApiError):
+                    await self.send_error(err, utt)
+                elif err is not None:
+                    raise err
             self.finishing = True
             await self.send_json({"type": "session.done"})
             await self.ws.close(code=WSCloseCode.OK)
@@ -284,16 +464,17 @@ class WsSession:
             self.finishing = True
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
 
-    async def speak(self, job: SpeechJob) -> None:
-        st, sse = self.st, self.config.stream_format == "sse"
+    async def speak(self, utt: Utterance) -> None:
+        st, sse, job = self.st, self.config.stream_format == "sse", utt.job
         async with StreamRun(st.backend, job, st.metrics, "ws", time.perf_counter()) as run:
+            self.current_run = run
             started = False
             offset = 0
             waited_s = 0.0
             while (chunk := await run.next()) is not None:
                 if chunk.is_event:  # continuous text: the stream waits for (or got) its text
-                    event = {"type": "text.waiting" if chunk.text_waiting else "text.resumed",
-                             "request_id": job.request_id, "frames": offset}
+                    event = utt.tag({"type": "text.waiting" if chunk.text_waiting
+                                     else "text.resumed", "frames": offset})
                     if chunk.text_waited_s is not None:
                         waited_s += chunk.text_waited_s
                         event.update(waited_ms=round(chunk.text_waited_s * 1e3),
@@ -302,14 +483,13 @@ class WsSession:
                     continue
                 if not started:  # with the first audio (or the empty end of a silent one)
                     started = True
-                    await self._audio_start(job)
+                    await self._audio_start(utt)
                 if chunk.codes is not None and len(chunk.codes):
                     codes = chunk.codes  # [n, 16]
                     async with self.send_lock:
-                        await self.ws.send_str(msgspec.json.encode(
-                            {"type": "codec.frames", "request_id": job.request_id,
-                             "offset": offset, "frames": len(codes), "shape": list(codes.shape),
-                             "dtype": "int64"}).decode())
+                        await self.ws.send_str(msgspec.json.encode(utt.tag(
+                            {"type": "codec.frames", "offset": offset, "frames": len(codes),
+                             "shape": list(codes.shape), "dtype": "int64"})).decode())
                         await self.ws.send_bytes(codes.astype("<i8", copy=False).tobytes())
                     offset += len(codes)
                 elif chunk.pcm is not None and chunk.pcm.size:
@@ -321,16 +501,16 @@ class WsSession:
                             await self.ws.send_bytes(data)
                     offset += chunk.frames
                 run.sent(chunk)
-            done = {"type": "audio.done", "request_id": job.request_id, "usage": run.usage(),
-                    "finish_reason": run.finish_reason()}
+            done = utt.tag({"type": "audio.done", "usage": run.usage(),
+                            "finish_reason": run.finish_reason()})
             if job.text_feed is not None:
                 done["text_waited_ms"] = round(waited_s * 1e3)
             await self.send_json(done)
 
-    async def _audio_start(self, job: SpeechJob) -> None:
-        st = self.st
-        start = {"type": "audio.start", "request_id": job.request_id, "text": job.text,
-                 "sample_rate": st.backend.sample_rate}
+    async def _audio_start(self, utt: Utterance) -> None:
+        st, job = self.st, utt.job
+        start = utt.tag({"type": "audio.start", "text": job.text,
+                         "sample_rate": st.backend.sample_rate})
         if job.text_feed is not None:
             start.update(text=None, text_mode="continuous")
         if job.stream_codes:
@@ -344,10 +524,9 @@ class WsSession:
             # an ICL voice: the client's decoder decodes these reference frames first and drops
             # their audio, as the server's Code2Wav does (same left context)
             async with self.send_lock:
-                await self.ws.send_str(msgspec.json.encode(
-                    {"type": "codec.prime", "request_id": job.request_id,
-                     "frames": len(prime), "shape": list(prime.shape),
-                     "dtype": "int64"}).decode())
+                await self.ws.send_str(msgspec.json.encode(utt.tag(
+                    {"type": "codec.prime", "frames": len(prime), "shape": list(prime.shape),
+                     "dtype": "int64"})).decode())
                 await self.ws.send_bytes(prime.astype("<i8", copy=False).tobytes())
 
 
