@@ -11,6 +11,7 @@ import struct
 import time
 
 import aiohttp
+import numpy as np
 import pytest
 import soundfile as sf
 from aiohttp import web
@@ -143,6 +144,47 @@ def test_sse_deltas_and_done_with_usage():
     assert done == {"type": "speech.audio.done", "finish_reason": "stop",
                     "usage": {"input_tokens": len(TEXT), "output_tokens": frames,
                               "total_tokens": len(TEXT) + frames}}
+
+
+@pytest.mark.parametrize("fmt", sorted(supported_formats()))
+def test_sse_deltas_carry_the_requested_format_as_a_stream_of_its_bytes(fmt):
+    """stream_format sse with any response_format (OpenAI's SDKs ask for mp3 by default): the
+    deltas, joined, are one file of that format holding the stream's audio; lossless
+    formats hold exactly its samples."""
+    import io
+
+    import soundfile as sf
+
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            return await post(s, url, {"input": TEXT, "stream_format": "sse", "seed": 3,
+                                       "response_format": fmt})
+
+    status, headers, body = arun(main())
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(body)
+    assert events[-1]["type"] == "speech.audio.done"
+    deltas = [base64.b64decode(e["audio"]) for e in events[:-1]]
+    assert len(deltas) >= 2 and all(deltas)
+    data = b"".join(deltas)
+    want = fake_audio(3, 0, expected_frames(TEXT) * 1920)
+    if fmt == "pcm":
+        assert data == to_s16le(want)
+        return
+    # decoded as a stream (the way a player reads it), not as a seekable file: a streamed
+    # file's header cannot know the length
+    av = pytest.importorskip("av")
+    frames = list(av.open(io.BytesIO(data)).decode(audio=0))
+    rate = frames[0].sample_rate
+    audio = np.concatenate([f.to_ndarray().reshape(-1) for f in frames])
+    if fmt in ("wav", "flac"):  # lossless s16: the samples themselves
+        assert rate == 24000
+        assert np.array_equal(audio.astype(np.int16), np.frombuffer(to_s16le(want), "<i2"))
+    else:  # lossy: the duration (within the codec's delay and padding) and the energy
+        seconds = len(audio) / rate
+        assert abs(seconds - len(want) / 24000) <= 0.1, (seconds, len(want) / 24000)
+        level = np.std(audio.astype(np.float64) / (32768 if audio.dtype == np.int16 else 1))
+        assert 0.5 < level / np.std(want) < 2.0
 
 
 @pytest.mark.parametrize("cap, reason", [(expected_frames(TEXT), "stop"),

@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ({"input": "hi", "speed": 4.5}, 400, "invalid_value", "speed"),
     ({"input": "hi", "speed": 1.5}, 400, "unsupported_speed", "speed"),
     ({"input": "hi", "stream_format": "chunks"}, 400, "invalid_value", "stream_format"),
-    ({"input": "hi", "stream_format": "sse", "response_format": "wav"}, 400,
+    ({"input": "hi", "stream_format": "sse", "response_format": "aac"}, 400,
      "invalid_response_format", "response_format"),
     ({"input": "hi", "stream_format": "sse", "stream": False}, 400, "invalid_value", "stream"),
     ({"input": "hi", "language": "klingon"}, 400, "invalid_language", "language"),

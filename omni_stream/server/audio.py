@@ -85,3 +85,46 @@ def encode_whole(pcm: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, pcm, sample_rate, format=f.sf_format, subtype=f.sf_subtype)
     return buf.getvalue()
+
+
+class StreamEncoder:
+    """One stream encoded chunk by chunk in ``fmt``: :meth:`encode` returns the bytes the
+    encoder has produced so far (maybe none: mp3 and opus hold whole packets back),
+    :meth:`finish` the rest. pcm is plain s16le, wav a streaming header then s16le; the
+    libsndfile formats (mp3, opus, flac) are written into one growing buffer and sent as it
+    grows. Where the encoder rewrites its header on close (flac's sample count) the client keeps
+    the header sent first, which says "length unknown", as any streamed file does.
+    ``slow``: the libsndfile formats take ms per chunk; call them off the event loop."""
+
+    def __init__(self, fmt: AudioFormat, sample_rate: int) -> None:
+        self.fmt = fmt
+        self.slow = fmt.sf_format is not None
+        self._header = wav_header(sample_rate, None) if fmt.name == "wav" else b""
+        self._file = None
+        if self.slow:
+            import soundfile as sf
+
+            self._buf = io.BytesIO()
+            self._file = sf.SoundFile(self._buf, "w", sample_rate, 1, format=fmt.sf_format,
+                                      subtype=fmt.sf_subtype)
+            self._sent = 0
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        if self._file is None:
+            out, self._header = self._header + to_s16le(pcm), b""
+            return out
+        self._file.write(np.frombuffer(to_s16le(pcm), "<i2"))  # the pcm path's samples
+        return self._take()
+
+    def finish(self) -> bytes:
+        if self._file is None:
+            out, self._header = self._header, b""
+            return out
+        self._file.close()
+        return self._take()
+
+    def _take(self) -> bytes:
+        data = self._buf.getbuffer()[self._sent:].tobytes()
+        self._sent += len(data)
+        return data
+

@@ -343,9 +343,6 @@ def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings,
         raise ApiError(400, f"unsupported response_format '{name}': use one of "
                        f"{', '.join(formats)}", code="invalid_response_format",
                        param="response_format")
-    if sse and name != "pcm":
-        raise ApiError(400, "stream_format 'sse' sends base64 pcm: use response_format 'pcm'",
-                       code="invalid_response_format", param="response_format")
     if sse and not req.stream:
         raise ApiError(400, "stream_format 'sse' needs stream true", code="invalid_value",
                        param="stream")

@@ -60,7 +60,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
             if plan.mode == "file":
                 return await whole_file(run, first, plan, st.backend.sample_rate, resp.headers)
             if plan.mode == "sse":
-                await write_sse(request, resp, run, first)
+                await write_sse(request, resp, run, first, plan.fmt, st.backend.sample_rate)
             else:
                 await write_audio(request, resp, run, first, plan, st.backend.sample_rate)
     except ConnectionError:
