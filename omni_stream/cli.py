@@ -383,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "path's for every seed (benchmarks/tts/results/speculative_bench.md)")
     v.add_argument("--no-throttle", action="store_true",
                    help="run new prefills at once instead of within the running streams' slack")
+    v.add_argument("--frame-cap", default=None, metavar="BASE+PER_TOKEN",
+                   help="the frame cap of a request that gives no max_new_tokens: BASE frames "
+                        "plus PER_TOKEN frames per text token (default 40+12: about three times "
+                        "a slow reading; a random checkpoint, which never ends by itself, "
+                        "speaks at a reading pace with e.g. 1+4)")
     from omni_stream.server.settings import add_arguments
 
     add_arguments(v)

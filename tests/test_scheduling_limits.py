@@ -29,3 +29,24 @@ def test_limits_win_and_an_explicit_request_replaces_the_formula():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         FrameCap(**kw)
+
+
+@pytest.mark.parametrize("text, want", [
+    (None, FrameCap()),
+    ("40+12", FrameCap(40, 12.0)),
+    ("1+4", FrameCap(1, 4.0)),
+    ("1+0.5", FrameCap(1, 0.5)),
+])
+def test_frame_cap_flag(text, want):
+    from omni_stream.orchestrator.flags import _frame_cap
+
+    assert _frame_cap(text) == want
+
+
+@pytest.mark.parametrize("text", ["40", "0+4", "-1+4", "4+0", "4+-1", "4+nan", "4+inf", "a+b",
+                                  "+4", "4+", "", "9223372036854775808+1e400"])
+def test_frame_cap_flag_refuses_bad_values_by_name(text):
+    from omni_stream.orchestrator.flags import _frame_cap
+
+    with pytest.raises(SystemExit, match="--frame-cap"):
+        _frame_cap(text)

@@ -156,7 +156,24 @@ def _settings(a: argparse.Namespace, path, prof, sources):
         start_timeout_s=1800.0 if prof.compile else 300.0,  # a cold compile takes minutes
         kv_budget_bytes=int(prof.kv_budget_mb * 2**20) if prof.kv_budget_mb else None,
         throttle=not getattr(a, "no_throttle", False), cpu_sets=dict(prof.cpu_sets),
-        speculative_cp=_speculative_cp(getattr(a, "speculative_cp", None), path))
+        speculative_cp=_speculative_cp(getattr(a, "speculative_cp", None), path),
+        frame_cap=_frame_cap(getattr(a, "frame_cap", None)))
+
+
+def _frame_cap(text: str | None):
+    """``--frame-cap BASE+PER_TOKEN`` -> FrameCap (None: the default)."""
+    from omni_stream.scheduling.limits import FrameCap
+
+    if text is None:
+        return FrameCap()
+    base, sep, per = text.partition("+")
+    try:
+        if not sep:
+            raise ValueError("no '+'")
+        return FrameCap(base_frames=int(base), frames_per_token=float(per))
+    except ValueError as e:
+        raise SystemExit(f"--frame-cap {text!r}: expected BASE+PER_TOKEN (an integer >= 1 plus a "
+                         f"number > 0, e.g. 40+12): {e}") from None
 
 
 def _speculative_cp(text: str | None, path) -> tuple[int, int] | None:
