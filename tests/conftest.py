@@ -40,6 +40,38 @@ def tiny_model(tiny_ckpt):
     return load_model(tiny_ckpt, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- voice agents (integrations)
+def _agents_serve(ckpt: Path, voice_dir: Path):
+    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.server.app import start_server
+    from omni_stream.server.settings import ServerSettings
+    from omni_stream.server.testing import serving_in_thread
+
+    settings = PipelineSettings(model_path=str(ckpt), max_streams=2, max_seq_len=1024,
+                                max_queue=8, queue_timeout_s=60,
+                                schedule=ChunkPolicy(first=1, steady=4))
+    return serving_in_thread(lambda: start_server(PipelineBackend(settings), "127.0.0.1", 0,
+                                                  ServerSettings(voice_dir=str(voice_dir))),
+                             timeout=120)
+
+
+@pytest.fixture(scope="session")
+def agents_server(tiny_ckpt, tmp_path_factory):
+    """One real server on the tiny custom-voice model for the agent-framework tests (Pipecat,
+    LiveKit): its URL."""
+    with _agents_serve(tiny_ckpt, tmp_path_factory.mktemp("agent-voices")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def agents_base_server(ckpt_factory, tmp_path_factory):
+    """A real server on the tiny Base model (voice cloning) for the agent-framework tests."""
+    with _agents_serve(ckpt_factory("tiny", "base", 0),
+                       tmp_path_factory.mktemp("agent-base-voices")) as url:
+        yield url
+
+
 # ---------------------------------------------------------------- the cluster entry (Ray Serve)
 @pytest.fixture(scope="session")
 def ray_cluster():

@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "omni_stream"
 
 # top to bottom; a module may import its own package and anything in a lower layer
 LAYERS = [
-    {"cli"},
+    {"cli", "integrations"},
     {"cluster"},
     {"server"},
     {"orchestrator"},
