@@ -8,14 +8,12 @@ voice by name."""
 from __future__ import annotations
 
 import asyncio
-import io
 import re
 import time
 
 import aiohttp
 import numpy as np
 import pytest
-import soundfile as sf
 
 pytest.importorskip("livekit.agents")
 
@@ -26,7 +24,7 @@ from livekit.agents import tts as lk_tts  # noqa: E402
 from omni_stream.integrations.livekit import TTS  # noqa: E402
 from omni_stream.server.testing import (backend_stats, run_async,  # noqa: E402
                                         wait_backend)
-from omni_stream.voices.synthetic import voiced_clip  # noqa: E402
+from speech_checks import llm_pieces, same_speech, uploaded_voice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,22 +57,6 @@ def _speech(events: list[lk_tts.SynthesizedAudio]) -> np.ndarray:
             and not _pcm(frames[-1:]).any():
         frames = frames[:-1]
     return _pcm(frames)
-
-
-def _same_speech(a: np.ndarray, b: np.ndarray) -> None:
-    """Equal length, samples within 2 LSB (the codec's float rounding moves with the chunking
-    the stream's timing gives; the codes are equal: tests/test_continuous_text.py)."""
-    assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
-    assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 2
-
-
-def _pieces(text: str) -> list[str]:
-    """LLM-like tokens: each word with its leading space, long words cut in two."""
-    out = []
-    for i, w in enumerate(text.split(" ")):
-        w = w if i == 0 else " " + w
-        out += [w[:4], w[4:]] if len(w) > 5 else [w]
-    return [p for p in out if p]
 
 
 async def _http_speech(url: str, text: str, voice: str = "ryan") -> np.ndarray:
@@ -135,7 +117,7 @@ def test_openai_plugin_behind_a_stream_adapter_speaks_each_sentence(url):
                                        sentence_tokenizer=tokenize.basic.SentenceTokenizer())
         try:
             async with adapter.stream() as s:
-                for p in _pieces(" ".join(sentences)):
+                for p in llm_pieces(" ".join(sentences)):
                     s.push_text(p)
                 s.end_input()
                 events = [ev async for ev in s]
@@ -163,14 +145,14 @@ def test_synthesize_is_the_http_speech_of_the_text(url):
 
     ref, events = run_async(main(), timeout=120)
     assert all(ev.frame.sample_rate == 24000 and ev.frame.num_channels == 1 for ev in events)
-    _same_speech(_speech(events), ref)
+    same_speech(_speech(events), ref)
     assert isinstance(_tts(url), lk_tts.TTS) and _tts(url).capabilities.streaming
 
 
 def test_stream_speaks_dripped_tokens_as_the_whole_text_and_starts_before_it_ends(url):
     """Tokens pushed at LLM speed: one segment, its first audio before the last token, and
     the speech of the whole text sent at once (greedy)."""
-    pieces = _pieces(TEXT)
+    pieces = llm_pieces(TEXT)
     assert "".join(pieces) == TEXT
 
     async def main():
@@ -197,7 +179,7 @@ def test_stream_speaks_dripped_tokens_as_the_whole_text_and_starts_before_it_end
 
     ref, pushed, got = run_async(main(), timeout=120)
     events = [ev for _, ev in got]
-    _same_speech(_speech(events), _speech(ref))
+    same_speech(_speech(events), _speech(ref))
     assert len({ev.segment_id for ev in events}) == 1
     assert [ev.is_final for ev in events].count(True) == 1 and events[-1].is_final
     assert got[0][0] < pushed[-1], "audio only began after the whole text was written"
@@ -208,7 +190,7 @@ def _push_segments(stream: lk_tts.SynthesizeStream, texts: list[str]) -> None:
     deprecated it (1.8 drops text pushed after a flush): straight into the input channel
     that the stream's _run reads."""
     for text in texts:
-        for p in _pieces(text):
+        for p in llm_pieces(text):
             stream._input_ch.send_nowait(p)
         stream._input_ch.send_nowait(stream._FlushSentinel())
     stream._input_ch.close()
@@ -240,9 +222,9 @@ def test_each_segment_is_one_turn_spoken_as_its_text_alone(url):
     for seg, ref in zip(segments, alone):
         seg_events = [ev for ev in events if ev.segment_id == seg]
         assert [ev.is_final for ev in seg_events].count(True) == 1 and seg_events[-1].is_final
-        _same_speech(_speech(seg_events), ref)
+        same_speech(_speech(seg_events), ref)
     assert len({ev.segment_id for ev in public}) == 1
-    _same_speech(_speech(public), alone[0])
+    same_speech(_speech(public), alone[0])
 
 
 def test_a_turn_the_model_ends_before_its_text_stays_one_segment(url):
@@ -255,7 +237,7 @@ def test_a_turn_the_model_ends_before_its_text_stays_one_segment(url):
         try:
             async with tts.stream() as s:
                 async def llm():
-                    for p in _pieces(TEXT):
+                    for p in llm_pieces(TEXT):
                         s.push_text(p)
                         await asyncio.sleep(0.04)
                     s.end_input()
@@ -381,32 +363,18 @@ def test_cloned_voice_by_name(agents_base_server):
     stream() speak what HTTP speech with that voice does (a cloned voice streams its text on
     every path, so all three agree)."""
     url, name = agents_base_server, "lk-narrator"
-    buf = io.BytesIO()
-    sf.write(buf, voiced_clip(2.5), 24000, format="WAV", subtype="PCM_16")
 
     async def main():
-        async with aiohttp.ClientSession() as http:
-            async with http.delete(f"{url}/v1/audio/voices/{name}"):
-                pass  # left by an earlier run on the same server: 404 otherwise
-            form = aiohttp.FormData()
-            form.add_field("audio", buf.getvalue(), filename="ref.wav", content_type="audio/wav")
-            form.add_field("name", name)
-            form.add_field("ref_text", "A short reference sentence for the cloned voice.")
-            async with http.post(url + "/v1/audio/voices", data=form) as r:
-                assert r.status == 201, await r.text()
+        async with uploaded_voice(url, name):
+            ref = await _http_speech(url, TEXT, voice=name)
+            tts = _tts(url, voice=name)
             try:
-                ref = await _http_speech(url, TEXT, voice=name)
-                tts = _tts(url, voice=name)
-                try:
-                    said = [ev async for ev in tts.synthesize(TEXT)]
-                    streamed = await _streamed(tts, TEXT)
-                finally:
-                    await tts.aclose()
+                said = [ev async for ev in tts.synthesize(TEXT)]
+                streamed = await _streamed(tts, TEXT)
             finally:
-                async with http.delete(f"{url}/v1/audio/voices/{name}"):
-                    pass
+                await tts.aclose()
         return ref, said, streamed
 
     ref, said, streamed = run_async(main(), timeout=180)
-    _same_speech(_speech(said), ref)
-    _same_speech(_speech(streamed), ref)
+    same_speech(_speech(said), ref)
+    same_speech(_speech(streamed), ref)

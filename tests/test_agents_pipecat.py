@@ -27,6 +27,7 @@ from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 from omni_stream.integrations.pipecat import OmniStreamTTSService  # noqa: E402
 from omni_stream.integrations.session import Audio, ContextDone, SpeechSession  # noqa: E402
 from omni_stream.server.testing import run_async, wait_backend  # noqa: E402
+from speech_checks import llm_pieces, same_speech, uploaded_voice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,18 +75,9 @@ def _tts(url: str, **kw) -> OmniStreamTTSService:
                                 session_options=OPTS, **kw)
 
 
-def _pieces(text: str) -> list[str]:
-    """LLM-like tokens: each word with its leading space, long words cut in two."""
-    out = []
-    for i, w in enumerate(text.split(" ")):
-        w = w if i == 0 else " " + w
-        out += [w[:4], w[4:]] if len(w) > 5 else [w]
-    return [p for p in out if p]
-
-
 def _llm_frames(text: str, pause: float) -> list[Frame]:
     frames: list[Frame] = [LLMFullResponseStartFrame()]
-    for p in _pieces(text):
+    for p in llm_pieces(text):
         frames += [LLMTextFrame(p), SleepFrame(pause)]
     return frames + [LLMFullResponseEndFrame()]
 
@@ -102,13 +94,6 @@ async def _whole(url: str, text: str, voice: str = "ryan") -> np.ndarray:
             elif isinstance(ev, ContextDone):
                 break
     return np.frombuffer(b"".join(parts), dtype="<i2")
-
-
-def _same_speech(a: np.ndarray, b: np.ndarray) -> None:
-    """Equal length, samples within 2 LSB (the codec's float rounding moves with the chunking
-    the stream's timing gives; the codes are equal: tests/test_continuous_text.py)."""
-    assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
-    assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 2
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +138,7 @@ def test_llm_tokens_stream_into_one_turn_with_the_whole_texts_speech(url):
         return ref, stamp, rec
 
     ref, stamp, rec = run_async(main(), timeout=120)
-    _same_speech(rec.pcm(), ref)
+    same_speech(rec.pcm(), ref)
     assert len(rec.of(TTSStartedFrame)) == 1 and len(rec.of(TTSStoppedFrame)) == 1
     (t_start, started), = rec.of(TTSStartedFrame)
     ctx = started.context_id
@@ -323,36 +308,17 @@ def test_sample_rate_other_than_24k_is_refused():
 def test_a_cloned_voice_by_name(agents_base_server):
     """A voice uploaded to a Base model's server (POST /v1/audio/voices), named in the
     service's voice: tokens dripped in speak what the same voice speaks for the whole text."""
-    import io
-
-    import aiohttp
-    import soundfile as sf
-
-    from omni_stream.voices.synthetic import voiced_clip
-
     url, name = agents_base_server, "pc-narrator"
-    buf = io.BytesIO()
-    sf.write(buf, voiced_clip(2.5), 24000, format="WAV", subtype="PCM_16")
 
     async def main():
-        async with aiohttp.ClientSession() as http:
-            form = aiohttp.FormData()
-            form.add_field("audio", buf.getvalue(), filename="ref.wav", content_type="audio/wav")
-            form.add_field("name", name)
-            form.add_field("ref_text", "A short reference sentence for the cloned voice.")
-            async with http.post(url + "/v1/audio/voices", data=form) as r:
-                assert r.status == 201, await r.text()
-            try:
-                ref = await _whole(url, TEXT, voice=name)
-                rec = Recorder()
-                tts = OmniStreamTTSService(base_url=url, voice=name, language="english",
-                                           session_options=OPTS)
-                await run_test(Pipeline([tts, rec]), frames_to_send=_llm_frames(TEXT, 0.02))
-            finally:
-                async with http.delete(f"{url}/v1/audio/voices/{name}"):
-                    pass
+        async with uploaded_voice(url, name):
+            ref = await _whole(url, TEXT, voice=name)
+            rec = Recorder()
+            tts = OmniStreamTTSService(base_url=url, voice=name, language="english",
+                                       session_options=OPTS)
+            await run_test(Pipeline([tts, rec]), frames_to_send=_llm_frames(TEXT, 0.02))
         return ref, rec
 
     ref, rec = run_async(main(), timeout=180)
-    _same_speech(rec.pcm(), ref)
+    same_speech(rec.pcm(), ref)
     assert len(rec.of(TTSStartedFrame)) == 1 and len(rec.of(TTSStoppedFrame)) == 1

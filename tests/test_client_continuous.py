@@ -21,6 +21,7 @@ from clients.stream_client import main as client_main
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.server.testing import run_async, serving_in_thread
+from speech_checks import llm_pieces, same_speech
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,25 +43,6 @@ def url(tiny_ckpt):
         yield u
 
 
-def _same_speech(a: np.ndarray, b: np.ndarray) -> None:
-    """The same speech: equal length, samples within 2 LSB. Not bit-equal: the server's codec
-    decodes in the chunks the stream's timing gives (1, 4, ... frames), which moves float32
-    rounding, so even the same request twice differs by 1 LSB in a few hundred samples. The
-    codes themselves are exactly equal (tests/test_continuous_text.py checks those)."""
-    assert len(a) == len(b), (len(a), len(b))
-    diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
-    assert diff.max() <= 2, (diff.max(), int((diff > 0).sum()))
-
-
-def _pieces(text: str) -> list[str]:
-    """LLM-like tokens: each word with its leading space, long words cut in two."""
-    out = []
-    for i, w in enumerate(text.split(" ")):
-        w = w if i == 0 else " " + w
-        out += [w[:4], w[4:]] if len(w) > 5 else [w]
-    return [p for p in out if p]
-
-
 @pytest.fixture(scope="module")
 def whole(url) -> ContinuousResult:
     """The reference: the whole text as one piece."""
@@ -68,7 +50,7 @@ def whole(url) -> ContinuousResult:
 
 
 def test_pieces_with_pauses_speak_the_whole_text_and_report_the_waits(url, whole):
-    pieces = _pieces(TEXT)
+    pieces = llm_pieces(TEXT)
     assert "".join(pieces) == TEXT
     got: list[np.ndarray] = []
 
@@ -79,7 +61,7 @@ def test_pieces_with_pauses_speak_the_whole_text_and_report_the_waits(url, whole
             yield p
 
     res = run_async(speak_continuous(url, llm(), on_chunk=got.append, **OPTS), timeout=120)
-    _same_speech(res.pcm, whole.pcm)
+    same_speech(res.pcm, whole.pcm)
     assert np.array_equal(np.concatenate(got), res.pcm)
     assert res.pieces == len(pieces) and len(res.utterances) == 1
     # the audio began while the text was still being written (the first stall is 1 s long)
@@ -142,7 +124,7 @@ def test_cli_text_stdin_continuous_writes_the_wav(url, whole, tmp_path, capsys, 
     fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     data, sr = sf.read(out, dtype="int16")
     assert sr == 24000
-    _same_speech(data, whole.pcm)
+    same_speech(data, whole.pcm)
     assert fig["text_waited_ms"] >= 0 and fig["utterances"] == 1 and fig["ttfa_ms"] > 0
 
 
