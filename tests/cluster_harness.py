@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import socket
 import tempfile
 import time
@@ -135,3 +136,4 @@ class LocalCluster:
         finally:
             ray.shutdown()
             self.cluster.shutdown()
+            shutil.rmtree(self.voice_dir, ignore_errors=True)
