@@ -369,9 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the decoder steps, cached across restarts "
                         "(default: from the profile)")
     v.add_argument("--engine", choices=ENGINES, default=None,
-                   help="what runs the decode step: 'native' (the CPU runtime, engine/cpu) or "
-                        "'torch' ops (default: from the profile: native on x86 CPUs with "
-                        "AVX-512 VNNI)")
+                   help="what runs the decode step: 'native' (the CPU runtime, engine/cpu), "
+                        "'torch' ops, or 'vllm' (the talker decoder and its KV cache on vLLM, "
+                        "from the environment setup.sh builds: README 'vLLM engine') (default: "
+                        "from the profile: native on x86 CPUs with AVX-512 VNNI)")
     v.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
                    help="let the talker's native runtime compute on the codec stage's cores "
                         "while Code2Wav is idle (default: from the profile: on with the native "
@@ -418,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "engine", None) == "vllm":
+        from omni_stream.engine.vllm.env import reexec_with_vllm
+
+        try:  # vLLM lives in an environment of its own (engine/vllm/env.py)
+            reexec_with_vllm(sys.argv[1:] if argv is None else list(argv))
+        except ValueError as e:
+            print(f"omni-stream: error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -311,7 +311,7 @@ class ModelConfig:
 WEIGHT_PATHS = ("bf16", "fp32", "int8", "mixed", "int6", "int5", "int4")
 NATIVE_ONLY_WEIGHT_PATHS = ("mixed", "int6", "int5")
 # what runs the decode step: torch ops, or the CPU runtime (omni_stream/engine/cpu)
-ENGINES = ("torch", "native")
+ENGINES = ("torch", "native", "vllm")
 
 
 def check_engine(engine: str, device: str, compile: bool = False) -> None:
@@ -323,6 +323,9 @@ def check_engine(engine: str, device: str, compile: bool = False) -> None:
     if engine == "native" and compile:
         raise ValueError("compile (torch.compile) applies to engine 'torch'; the native engine "
                          "is compiled C++ already: drop --compile or use --engine torch")
+    if engine == "vllm" and compile:
+        raise ValueError("compile (torch.compile) applies to engine 'torch'; the vllm engine "
+                         "runs vLLM's own kernels: drop --compile or use --engine torch")
 LOW_BIT_WEIGHT_PATHS = ("int8", "mixed", "int6", "int5", "int4")
 
 

@@ -54,3 +54,33 @@ async def uploaded_voice(url: str, name: str) -> AsyncIterator[str]:
         finally:
             async with http.delete(f"{url}/v1/audio/voices/{name}"):
                 pass
+
+
+async def greedy_frames(url: str, text: str, voice: str | None = None,
+                        timeout: float = 120.0) -> np.ndarray:
+    """The codec frames [F, 16] of one greedy utterance over the WebSocket (codec_frames
+    mode: the codes themselves, no decode in between)."""
+    import json
+
+    config = {"type": "session.config", "codec_frames": True, "greedy": True,
+              "split_sentences": False}
+    if voice is not None:
+        config["voice"] = voice
+    frames: list[np.ndarray] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.ws_connect(url.rstrip("/") + "/v1/audio/speech/stream") as ws:
+            await ws.send_str(json.dumps(config))
+            await ws.send_str(json.dumps({"type": "input.text", "text": text}))
+            await ws.send_str(json.dumps({"type": "session.close"}))
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    frames.append(np.frombuffer(msg.data, dtype="<i8").reshape(-1, 16))
+                elif msg.type == aiohttp.WSMsgType.TEXT:
+                    ev = json.loads(msg.data)
+                    if ev["type"] == "error":
+                        raise AssertionError(f"server error: {ev}")
+                    if ev["type"] == "session.done":
+                        break
+                else:
+                    break
+    return np.concatenate(frames) if frames else np.zeros((0, 16), dtype=np.int64)

@@ -162,6 +162,9 @@ class DeployProfile:
             if self.dtype != "bfloat16":
                 raise ValueError(f"weight_path {self.weight_path!r} computes in bf16: set dtype "
                                  "'bfloat16' (or weight_path 'fp32')")
+        if self.engine == "vllm" and self.weight_path not in (None, "fp32", "bf16"):
+            raise ValueError(f"weight_path {self.weight_path!r} is not a vLLM path: engine "
+                             "'vllm' runs the weights as they are (weight_path 'fp32' or 'bf16')")
         if self.weight_path in NATIVE_ONLY_WEIGHT_PATHS and self.engine != "native":
             raise ValueError(f"weight_path {self.weight_path!r} runs on the native CPU runtime "
                              "only: set engine 'native' (or weight_path 'int8' / 'int4')")
@@ -400,23 +403,27 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     engine = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
               and not inputs.get("compile") else "torch")
     native = (inputs.get("engine_user") or engine) == "native"
+    # vLLM runs the talker's weights as they are, in one process with its code predictor
+    vllm = inputs.get("engine_user") == "vllm"
     dtype = "bfloat16" if bf16 else "float32"
     out: dict[str, Any] = {
         "device": device,
         "dtype": dtype,
-        "weight_path": derive_weight_path(hw, device, model_bytes=model_bytes,
-                                          fidelity_first=bool(inputs.get("fidelity_first")),
-                                          dtype_user=inputs.get("dtype_user"),
-                                          bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
-                                          frame_bytes=inputs.get("frame_bytes")),
+        "weight_path": ("bf16" if (inputs.get("dtype_user") or dtype) == "bfloat16" else "fp32")
+        if vllm else derive_weight_path(hw, device, model_bytes=model_bytes,
+                                        fidelity_first=bool(inputs.get("fidelity_first")),
+                                        dtype_user=inputs.get("dtype_user"),
+                                        bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
+                                        frame_bytes=inputs.get("frame_bytes")),
         "codec_dtype": derive_codec_dtype(device, inputs.get("dtype_user") or dtype,
                                           fidelity_first=bool(inputs.get("fidelity_first"))),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
-        else "together",
+        and not vllm else "together",
         "engine": engine,
     }
     placement = inputs.get("placement_user") or out["placement"]
-    out["cuda_graphs"] = on_gpu and placement == "together"  # the talker stage graphs the step
+    # the talker stage graphs the step (vLLM's step runs eagerly)
+    out["cuda_graphs"] = on_gpu and placement == "together" and not vllm
     threads = derive_threads(hw, device, placement)
     out.update(threads)
     out["cpu_sets"] = derive_cpu_sets(hw, {**threads, **inputs.get("threads_user", {})},

@@ -116,6 +116,8 @@ class FrameEngine:
         self.residual_fn = self._predict_residual
         # the CPU runtime (engine/cpu): None runs the step with torch ops
         self.native = None
+        # vLLM running the talker decoder and its KV (engine/vllm): None keeps them here
+        self.vllm = None
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
                    threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
@@ -133,26 +135,50 @@ class FrameEngine:
         self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
                                    lease=lease, pack_cache=pack_cache, plan=plan)
 
+    def use_vllm(self, model_path, threads: int | None = None) -> None:
+        """Run the talker decoder and its KV cache on vLLM (``engine/vllm``): its scheduler
+        places every step's tokens and its paged cache holds the streams' past; inputs, codes
+        and the code predictor stay here; ``model_path``: the checkpoint folder vLLM reads the
+        decoder's weights from (the same weights as this engine's). Frees this engine's own
+        talker cache."""
+        from omni_stream.engine.vllm.runner import VllmTalker
+
+        if self.native is not None:
+            raise ValueError("the vLLM engine and the CPU runtime are two engines: pick one")
+        self.vllm = VllmTalker(self, model_path, threads)
+        self.kv = KVCache(self.cfg.lm, self.shape.max_slots, 1, self.kv.layers[0][0].dtype, self.device)
+
     # ------------------------------------------------------------------ per-slot control
     def prefill(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor,
-                params: SamplingParams, seed: int, start: int = 0, final: bool = True) -> int | None:
+                params: SamplingParams, seed: int, start: int = 0, final: bool = True,
+                total: int | None = None) -> int | None:
         """Run prompt positions [start, start + T) (embeds [T, C]) into ``slot``.
 
         A prompt may be fed in pieces (chunked prefill: ``final=False`` until the last piece);
         the first piece (``start == 0``) resets the slot's state. The last piece draws and
         returns the first codebook-0 id. ``trailing`` [N, C] are the text-track rows added to
-        the decode steps (then tts_pad); only read on the first piece."""
+        the decode steps (then tts_pad); only read on the first piece. ``total``: the whole
+        prompt's positions (the vLLM engine needs it with the first of several pieces)."""
         t = embeds.shape[0]
         if start + t + 1 > self.shape.max_seq_len:
             raise ValueError(f"prompt of {start + t} positions does not fit max_seq_len {self.shape.max_seq_len}")
+        if total is not None and (total < start + t or (final and total != start + t)):
+            raise ValueError(f"a piece ending at {start + t} does not fit a prompt of {total} positions")
         if start == 0:
             self._reset_slot(slot, trailing, params, seed)
+            if self.vllm is not None:
+                if total is None and not final:
+                    raise ValueError("the vLLM engine needs the prompt's length (total) with its "
+                                     "first piece")
+                self.vllm.start(slot, total if total is not None else t)
         elif int(self.pos[slot]) != start:
             raise ValueError(f"slot {slot} holds {int(self.pos[slot])} prompt positions, not {start}")
         x = embeds.to(self.dtype).unsqueeze(0)
         pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
         if self.native is not None:
             hidden = self.native.talker_step(x[0], torch.full((t,), slot), pos[0])[-1:].to(self.dtype)
+        elif self.vllm is not None:
+            hidden = self.vllm.talker_step(x[0], torch.full((t,), slot), pos[0])[-1:]
         else:
             hidden = run_step(self.talker.model, self.kv, self.rope, x, pos, slice(slot, slot + 1),
                               self._arange[slot:slot + 1], start)[:, -1]  # [1, C]
@@ -234,6 +260,8 @@ class FrameEngine:
         """The slot's stream is over: stop advancing it (its state is reset by the next prefill)."""
         self.active[slot] = False
         self._cand_talk[slot] = self._cand_cp[slot] = 1
+        if self.vllm is not None:
+            self.vllm.release(slot)
 
     def scrub(self, slot: int) -> None:
         """Release a slot whose stream failed and wipe what it may have poisoned: its KV rows
@@ -360,6 +388,8 @@ class FrameEngine:
         pos = self.pos[:p]
         if self.native is not None:
             hidden = self.native.talker_step(x, self._arange[:p], pos).to(self.dtype)
+        elif self.vllm is not None:
+            hidden = self.vllm.talker_step(x, self._arange[:p], pos, live=self.active[:p])
         else:
             if self.static_live:
                 live = self.shape.max_seq_len

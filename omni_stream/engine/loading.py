@@ -58,6 +58,8 @@ def load_for_engine(path: str | Path, dtype: torch.dtype, device: str, weight_pa
     """The checkpoint as ``engine`` wants it: the torch engine applies low-bit weight paths to
     the torch modules; the native engine packs its own from the exact weights."""
     check_engine(engine, device)
+    if engine == "vllm" and weight_path is not None:
+        quant.check_supported(weight_path, device, engine)
     return load_model(path, dtype, device, None if engine == "native" else weight_path)
 
 
@@ -78,13 +80,18 @@ def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:
 
 def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int, *,
                   lent_cpus: tuple[int, ...] = (), lease=None, model_path=None) -> None:
-    """Switch a ``FrameEngine`` to the native runtime (no-op for the torch engine);
+    """Switch a ``FrameEngine`` to the native runtime or to vLLM (no-op for the torch engine);
     ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.native.Pool``);
     ``model_path``: keep the packed weights in the cache (``pack_cache_path``) so the next start
-    loads them."""
+    loads them (native), the checkpoint vLLM reads the talker decoder from (vllm)."""
     if engine == "native":
         cache = pack_cache_path(model_path, weight_path) if model_path is not None else None
         frame_engine.use_native(plan=NATIVE_PLANS[weight_path], threads=threads, lent_cpus=lent_cpus,
                                 lease=lease, pack_cache=cache)
     elif lent_cpus:
         raise ValueError("lent cores need the native engine")
+    elif engine == "vllm":
+        if model_path is None:
+            raise ValueError("the vllm engine reads the talker's weights from the checkpoint "
+                             "folder: pass model_path")
+        frame_engine.use_vllm(model_path, threads)

@@ -103,6 +103,9 @@ def check_supported(mode: str, device: torch.device | str = "cpu", engine: str =
     """Fail early, with the fix, where the quantized kernels are not available."""
     if mode not in WEIGHT_PATHS:
         raise ValueError(f"unknown weight path {mode!r}: use one of {', '.join(WEIGHT_PATHS)}")
+    if engine == "vllm" and mode not in ("bf16", "fp32"):
+        raise ValueError(f"weight path {mode} is not a vLLM path: the vllm engine runs the "
+                         "talker's weights as they are (--weight-path fp32 or bf16, or none)")
     if mode in NATIVE_ONLY and engine != "native":
         raise ValueError(f"weight path {mode} runs on the native CPU runtime only (--engine "
                          f"native); the torch engine has {', '.join(QUANTIZED_TORCH)}")

@@ -46,7 +46,8 @@ class Synthesizer:
         "native" CPU runtime) with ``weight_path``."""
         path = resolve_model_path(path)
         synth = cls(load_for_engine(path, dtype, "cpu", weight_path, engine))
-        attach_engine(synth.engine, engine, weight_path, threads or torch.get_num_threads())
+        attach_engine(synth.engine, engine, weight_path, threads or torch.get_num_threads(),
+                      model_path=path)
         return synth
 
     @torch.inference_mode()

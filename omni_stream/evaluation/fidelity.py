@@ -175,7 +175,8 @@ def load_path(model_path: str | Path, weight_path: str | None, engine: str = "to
     dtype = torch.float32 if weight_path in (None, "fp32") else torch.bfloat16
     s = Synthesizer(load_for_engine(model_path, dtype, "cpu", weight_path, engine),
                     max_seq_len=max_seq_len)
-    attach_engine(s.engine, engine, weight_path, threads or torch.get_num_threads())
+    attach_engine(s.engine, engine, weight_path, threads or torch.get_num_threads(),
+                  model_path=model_path if engine == "vllm" else None)
     return s
 
 

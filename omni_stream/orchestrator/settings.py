@@ -22,7 +22,9 @@ class PipelineSettings:
     codec_dtype: str | None = None  # Code2Wav's dtype; None: ``dtype`` (see ``decode_dtype``)
     weight_path: str | None = None  # talker/code-predictor weights: None = dtype, int8, int4
     compile: bool = False  # torch.compile the decoder steps (cached across restarts)
-    engine: str = "torch"  # what runs the decode step: "torch" ops or the "native" CPU runtime
+    # what runs the decode step: "torch" ops, the "native" CPU runtime, or "vllm" (the talker
+    # decoder and its KV cache on vLLM: engine/vllm)
+    engine: str = "torch"
     max_streams: int = 4  # talker slots
     max_seq_len: int = 2048
     max_queue: int = 16
@@ -59,6 +61,13 @@ class PipelineSettings:
 
     def __post_init__(self) -> None:
         check_engine(self.engine, self.device, self.compile)
+        if self.engine == "vllm":
+            for on, what in ((self.cuda_graphs, "cuda_graphs"),
+                             (self.speculative_cp is not None, "speculative_cp"),
+                             (self.placement != "together", "placement 'split'")):
+                if on:
+                    raise ValueError(f"{what} runs on engine 'torch' or 'native', not 'vllm' "
+                                     "(vLLM runs eagerly with the code predictor beside it)")
         if self.placement not in ("together", "split"):
             raise ValueError(f"placement must be 'together' or 'split', not {self.placement!r}")
         if self.max_streams < 1 or self.max_queue < 0 or self.queue_timeout_s <= 0:

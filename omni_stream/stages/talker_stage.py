@@ -270,7 +270,8 @@ class TalkerStage:
         n, final = self.sched.piece(st, tokens)
         t0 = time.perf_counter()
         code0 = self.engine.prefill(st.slot, prompt.embeds[st.fed:st.fed + n], prompt.trailing,
-                                    msg.sampling, msg.seed, start=st.fed, final=final)
+                                    msg.sampling, msg.seed, start=st.fed, final=final,
+                                    total=len(prompt.embeds))
         dt = time.perf_counter() - t0
         stepstats.record("talker.prefill", dt)
         self.prefill_s += dt
