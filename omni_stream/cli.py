@@ -422,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "engine", None) == "vllm":
         from omni_stream.engine.vllm.env import reexec_with_vllm
 
+        if getattr(args, "ray", None) is not None:
+            print("omni-stream: error: --engine vllm serves on one machine (vLLM's environment "
+                  "has no Ray): drop --ray, or use --engine torch / native on the cluster",
+                  file=sys.stderr)
+            return 2
+
         try:  # vLLM lives in an environment of its own (engine/vllm/env.py)
             reexec_with_vllm(sys.argv[1:] if argv is None else list(argv))
         except ValueError as e:

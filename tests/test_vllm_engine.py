@@ -182,3 +182,9 @@ def test_engine_vllm_without_its_environment_names_the_fix(tiny_ckpt, tmp_path):
     assert proc.returncode == 2
     assert "python -m omni_stream.engine.vllm.env" in proc.stderr
     assert not (tmp_path / "none").exists()  # refused, not built behind the user's back
+
+
+def test_engine_vllm_with_ray_is_refused(tiny_ckpt):
+    proc = subprocess.run([OMNI, "serve", "--model", str(tiny_ckpt), "--engine", "vllm",
+                           "--ray", "local"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "drop --ray" in proc.stderr, proc.stderr[-2000:]

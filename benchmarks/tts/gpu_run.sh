@@ -4,7 +4,9 @@
 #   2. benchmarks/tts/gpu_frame_bench.py: engine step vs streams, CUDA graphs on and off,
 #   3. benchmarks/tts/stream_latency_bench.py against `omni-stream serve --device cuda --dtype bf16`
 #      at concurrency 1, 8, 32 (the server runs the eager step: it does not use CUDA graphs),
-#   4. benchmarks/tts/summarize.py over everything in benchmarks/tts/results/.
+#   4. benchmarks/tts/vllm_bench.py --device cuda (the talker on vLLM vs torch), where $PY or
+#      VLLM_PY has a CUDA build of vLLM,
+#   5. benchmarks/tts/summarize.py over everything in benchmarks/tts/results/.
 # A step that fails or runs out of time is reported and the next one still runs (exit 1 at the
 # end); each is stopped with SIGINT first, so the latency benchmark shuts its server down.
 #
@@ -70,6 +72,18 @@ run "streaming latency against omni-stream serve --device cuda (concurrency $CON
     --server-args "--device cuda --dtype bf16 --max-streams $MAXC --max-seq-len 512 --max-queue 64" \
     --concurrency "$CONC" --max-new-tokens "$FRAMES" --label 0.6b-cuda-bf16 \
     --out "$RES/stream_latency_0.6b_cuda.json"
+
+# the talker on vLLM beside the torch engine (needs a CUDA build of vLLM in $PY, or VLLM_PY:
+# a python that has one; the device machines here reach no package index, so it is skipped
+# where none is installed)
+VLLM_PY=${VLLM_PY:-$PY}
+if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+    run "talker engines: vllm vs torch on cuda (vllm_bench.py)" 240 \
+        "$VLLM_PY" benchmarks/tts/vllm_bench.py --model "$CK" --device cuda --rounds 1 \
+        --tag 0.6b_cuda
+else
+    step "vllm_bench.py skipped: no vLLM in $VLLM_PY (set VLLM_PY to a python with a CUDA vLLM)"
+fi
 
 run "summary (SUMMARY.md, summary.json, plots)" 60 "$PY" benchmarks/tts/summarize.py
 

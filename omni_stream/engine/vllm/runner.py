@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import hashlib
+import shutil
 from pathlib import Path
 
 import torch
@@ -94,19 +95,35 @@ def kv_bytes(lm, slots: int, max_len: int, dtype: torch.dtype, head_size: int,
     return slots * (max_len + 2 * block) * per_token * torch.tensor([], dtype=dtype).element_size()
 
 
-def model_dir(out: str | Path, checkpoint: str | Path, lm, slots: int, max_len: int) -> Path:
+def model_dir(checkpoint: str | Path, lm, slots: int, max_len: int) -> Path:
     """The folder vLLM loads: the talker decoder's config.json and links to the checkpoint's
-    weight files (one ``model.safetensors`` or shards with their index), read in place."""
-    out, src = Path(out), Path(checkpoint).resolve()
-    (out / "config.json").write_text(json.dumps(hf_config(lm, slots, max_len)))
+    weight files (one ``model.safetensors`` or shards with their index), read in place. Kept
+    in the cache folder under a key of its contents, so starts reuse it and a killed process
+    leaves nothing new behind."""
+    from omni_stream.checkpoints.default import cache_dir
+
+    src = Path(checkpoint).resolve()
     files = [src / "model.safetensors"]
     if not files[0].is_file():
         index = src / "model.safetensors.index.json"
         if not index.is_file():
             raise FileNotFoundError(f"{src}: no model.safetensors or model.safetensors.index.json")
         files = [index] + sorted({src / f for f in json.loads(index.read_text())["weight_map"].values()})
+    config = json.dumps(hf_config(lm, slots, max_len), sort_keys=True)
+    key = hashlib.sha256("\0".join([config] + [str(f) for f in files]).encode()).hexdigest()[:20]
+    out = cache_dir() / "vllm-model" / key
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(f"{key}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     for f in files:
-        (out / f.name).symlink_to(f)
+        (tmp / f.name).symlink_to(f)
+    (tmp / "config.json").write_text(config)  # last: a folder with it is complete
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -116,8 +133,8 @@ class VllmTalker:
     def __init__(self, engine, model_path: str | Path, threads: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        if threads:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+        # one in-process worker: no OpenMP binding of vLLM's own (the stage's CPU set holds)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import EngineArgs, LLMEngine
 
         from omni_stream.engine.vllm.plugin import register
@@ -128,12 +145,11 @@ class VllmTalker:
         self.slots, self.max_len = shape.max_slots, shape.max_seq_len
         self.dtype = engine.dtype
         dev = engine.device
-        self._dir = tempfile.TemporaryDirectory(prefix="omni-stream-vllm-")
-        model_dir(self._dir.name, model_path, lm, self.slots, self.max_len)
+        folder = model_dir(model_path, lm, self.slots, self.max_len)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                  torch.float16: "float16"}[self.dtype]
         args = EngineArgs(
-            model=self._dir.name, skip_tokenizer_init=True, dtype=dtype, load_format="safetensors",
+            model=str(folder), skip_tokenizer_init=True, dtype=dtype, load_format="safetensors",
             max_model_len=self.max_len, max_num_seqs=max(self.slots, 1),
             max_num_batched_tokens=max(self.max_len, 256), enable_chunked_prefill=True,
             enable_prefix_caching=False, enforce_eager=True, async_scheduling=False,
@@ -141,7 +157,17 @@ class VllmTalker:
             kv_cache_memory_bytes=kv_bytes(lm, self.slots, self.max_len, self.dtype,
                                             attention_head_size(lm.head_dim)),
             disable_log_stats=True, seed=0)
-        self.llm = LLMEngine.from_engine_args(args)
+        # vLLM drops torch to one intra-op thread for serving unless OMP_NUM_THREADS is set,
+        # and its CPU worker turns torch.set_num_threads into a no-op: this process's step
+        # (the decoder's GEMMs, the code predictor) keeps the threads the stage was given
+        threads = threads or torch.get_num_threads()
+        set_threads = torch.set_num_threads
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        try:
+            self.llm = LLMEngine.from_engine_args(args)
+        finally:
+            torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
         core = self.llm.engine_core.engine_core
         self.scheduler = core.scheduler
         self.model = core.model_executor.driver_worker.worker.model_runner.model
@@ -227,4 +253,3 @@ class VllmTalker:
     def close(self) -> None:
         for s in range(self.slots):
             self.release(s)
-        self._dir.cleanup()
