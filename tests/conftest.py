@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_stream.engine.cpu.onednn import pin_decode_isa
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The client decoders run inside this process in the tests; a client process pins oneDNN's
+# level before its bf16 decode (``TorchDecoder``), which only takes before the process's first
+# oneDNN call: pin it here, first, as the codec stage does (engine/cpu/onednn.py).
+pin_decode_isa()
 
 
 @pytest.fixture(scope="session")

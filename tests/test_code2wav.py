@@ -8,7 +8,12 @@ visibly shapes the output: a wrong tail would show up far above the 1e-5 toleran
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,41 +308,69 @@ def test_a_part_in_bf16_streams_beside_an_fp32_state(codes, part) -> None:
     assert 20 <= snr(one_pass, full) < 100  # the part really ran in bf16
 
 
-def test_codec_stage_kernels_give_one_stream_the_same_bits_for_any_chunks_and_batch() -> None:
+def _isa_levels() -> list[str]:
+    """No cap (what a server runs) and every oneDNN level from AVX2 up that this CPU runs."""
+    from omni_stream.engine.cpu.onednn import LEVELS, cpu_flags, supported_levels
+
+    have = supported_levels(cpu_flags())
+    return ["DEFAULT"] + [lv for lv in have if LEVELS.index(lv) >= LEVELS.index("AVX2")]
+
+
+@pytest.mark.parametrize("level", _isa_levels())
+def test_codec_stage_kernels_give_one_stream_the_same_bits_for_any_chunks_and_batch(level) -> None:
     """At the released widths, the codec stage's bf16 decode (packed weights, the runtime's
     Snake) of one stream is bit-identical whatever chunks its frames come in and whichever
     streams share its calls: every product's rows, the attention per query and the Snake per
     value are computed alike at any chunk length (``windowed_attend``, the quantizer's per-row
-    projection, the kernel's masked tail). Plain bf16 torch kernels differ by chunk (~30 dB)."""
+    projection, the kernel's masked tail), with oneDNN pinned at ``AVX512_CORE_BF16`` (its AMX
+    kernels and its emulated bf16 below that round by row count). Plain bf16 torch kernels
+    differ by chunk (~30 dB). Run under each ``ONEDNN_MAX_CPU_ISA`` level this CPU has, in a
+    fresh process each (oneDNN reads the cap once): no cap must give the guarantee wherever the
+    CPU has AVX512-BF16; every level builds the decoder without error (AVX2 has no packed bf16
+    linear); a level where the code claims the guarantee must keep it, and one where it does
+    not is skipped with that reason."""
     pytest.importorskip("omni_stream.engine.cpu.native")
-    from omni_stream.checkpoints.presets import _CODEC_RELEASED
-    from omni_stream.engine.cpu.native import snake_kernel
+    from omni_stream.engine.cpu.onednn import DECODE_LEVEL, ENV, cpu_flags, supported_levels
 
-    cfg = Code2WavConfig(**{k: v for k, v in _CODEC_RELEASED.items()
-                            if k in Code2WavConfig.__dataclass_fields__})
-    m = Code2Wav(cfg).eval()
-    m.load_state_dict(random_code2wav_state_dict(cfg, seed=1), strict=True)
-    m = m.bfloat16()
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if level != "DEFAULT":
+        env[ENV] = level
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("isa_decode_check.py"))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    if level == "DEFAULT" and DECODE_LEVEL in supported_levels(cpu_flags()):
+        assert got["level"] == DECODE_LEVEL and got["claim"], got
+    if not got["claim"]:
+        pytest.skip(f"oneDNN at {got['level']}: the bf16 decode is not chunk-plan invariant "
+                    f"there (packed weights: {got['packed']}; engine/cpu/onednn.py)")
+    assert got["packed"], got
+    assert got["plans"] and all(got["plans"].values()), got
+
+
+def test_codec_stage_start_up_check_sees_whether_chunking_changes_the_bits() -> None:
+    """``CodecStage.check_invariance`` (run at start-up where the weights are packed) decodes
+    random frames one by one and as one chunk: the packed bf16 decoder passes, a decoder whose
+    rounding follows the call's length fails, and slot 0 is fresh afterwards either way."""
+    from omni_stream.engine.cpu.native import snake_kernel
+    from omni_stream.stages.codec_stage import CodecStage
+
+    class Out:
+        def put(self, *a, **kw) -> bool:
+            return True
+
+    m = _build().bfloat16()
     if not m.pack(snake=snake_kernel()):
         pytest.skip("oneDNN's packed bf16 kernels are not available here")
-    g = torch.Generator().manual_seed(5)
-    codes = torch.randint(0, cfg.codebook_size, (2, cfg.num_quantizers, 18), generator=g)
+    stage = CodecStage(m, max_slots=2, out=Out())
+    assert stage.check_invariance(frames=3)
+    real = stage.dec.decode
 
-    def stream(plan, with_other: bool) -> torch.Tensor:
-        s, out, a = Code2WavStream(m, 3), [], 0
-        if with_other:  # another stream, 3 frames ahead, shares every call
-            s.decode([2], codes[1:, :, :3])
-        for n in plan:
-            if with_other and a + n + 3 <= codes.shape[2]:
-                y = s.decode([0, 2], torch.cat([codes[:1, :, a:a + n], codes[1:, :, a + 3:a + 3 + n]]))
-            else:
-                y = s.decode([0], codes[:1, :, a:a + n])
-            out.append(y[0])
-            a += n
-        return torch.cat(out)
+    def by_length(slots, codes):  # a kernel whose rounding depends on the row count
+        y = real(slots, codes)
+        return y + codes.shape[2] * 2.0 ** -12 if codes.shape[2] > 1 else y
 
-    with torch.inference_mode():
-        ref = stream([4] * 4 + [2], False)
-        for plan, other in (([1, 2, 3, 5, 7], False), ([18], False), ([3, 5, 2, 6, 2], True)):
-            got = stream(plan, other)
-            assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (plan, other)
+    stage.dec.decode = by_length
+    assert not stage.check_invariance(frames=3)
+    st = stage.dec.state
+    assert int(st.pos[0]) == 0 and all(float(t[0].abs().sum()) == 0 for t in st.tails)

@@ -518,8 +518,9 @@ def profile_notes(profile: DeployProfile) -> list[str]:
     notes = []
     if (profile.codec_dtype or profile.dtype) == "bfloat16" and profile.device == "cpu":
         notes.append("Code2Wav decodes in bf16: its audio is ~28-30 dB from the fp32 decode of "
-                     "the same codes (the same bits at any chunk plan); mixed fp32/bf16 splits "
-                     "reach 35-39 dB at most of bf16's cost (benchmarks/tts/results/"
+                     "the same codes (the same bits at any chunk plan where oneDNN runs its "
+                     "AVX512-BF16 kernels: the codec stage pins that level and checks it at "
+                     "start-up); mixed fp32/bf16 splits reach 35-39 dB at most of bf16's cost (benchmarks/tts/results/"
                      "code2wav_precision.json). An fp32 decode costs about twice bf16's per frame "
                      "on a CPU core. --codec-dtype fp32 for the exact decode (what client-side "
                      "decoders match) at that cost.")

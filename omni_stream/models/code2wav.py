@@ -11,6 +11,8 @@ equals the one-pass decode at any chunking, to float rounding. With the packed k
 every streaming product treats a frame's rows alike whatever else the call holds (each query
 attends its own window in a product of fixed shape, the quantizer projects row by row, the
 Snake kernel has no scalar tail), so in bf16 a request does not sound different by timing.
+That holds where oneDNN runs at ``AVX512_CORE_BF16`` (its AMX and its emulated-bf16 kernels
+round by row count): a process pins that level first (``engine.cpu.onednn.pin_decode_isa``).
 
 Parameter names equal the official ``Qwen3TTSTokenizerV2Decoder`` state_dict keys with the
 ``decoder.`` prefix stripped, so a checkpoint loads strictly (``load_state_dict(sd, strict=True)``).
@@ -55,6 +57,7 @@ class Code2Wav(nn.Module):
         if cfg.num_quantizers < 2:
             raise ValueError("Code2Wav needs num_quantizers >= 2 (1 semantic + acoustic codebooks)")
         self.cfg = cfg
+        self.packed = False  # weights held in oneDNN's layout too (``pack``)
         self.quantizer = SplitResidualVQ(cfg)
         self.pre_conv = CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3)
         self.pre_transformer = DecoderTransformer(cfg)
@@ -101,6 +104,7 @@ class Code2Wav(nn.Module):
                 pack_linear(m)
             elif isinstance(m, SnakeBeta) and snake is not None:
                 m.pack(snake)
+        self.packed = True
         return True
 
     def check_codes(self, codes: Tensor) -> Tensor:

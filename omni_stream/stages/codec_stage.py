@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omni_stream.engine.cpu.onednn import pin_decode_isa
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
@@ -290,6 +291,22 @@ class CodecStage:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
+    def check_invariance(self, frames: int = 4, seed: int = 0) -> bool:
+        """Whether one stream's decode is the same bits in single frames as in one chunk (what
+        the packed bf16 kernels promise at ``onednn.DECODE_LEVEL``): decodes ``frames`` random
+        frames both ways on slot 0, then resets it. Measured here, at start-up, because the
+        kernel oneDNN runs depends on the CPU and on the cap this process got. About two
+        decode calls of ``frames`` frames."""
+        g = torch.Generator().manual_seed(seed)
+        size = self.dec.model.cfg.codebook_size
+        codes = torch.randint(0, size, (1, self.codebooks, frames), generator=g)
+        one = self.dec.decode([0], codes)[0]
+        self.dec.reset(0)
+        parts = [self.dec.decode([0], codes[:, :, i:i + 1])[0] for i in range(frames)]
+        self.dec.reset(0)
+        return same_bits(one, torch.cat(parts))
+
+    @torch.inference_mode()
     def measure(self) -> None:
         """Time Code2Wav calls per chunk size and batch (``edge.measure``) and answer on the
         audio ring (a MEASURE event, JSON payload). Only while no stream holds a slot."""
@@ -363,6 +380,7 @@ class CodecStage:
 
 def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     """Process entry point: consume ``frames``, produce ``audio``."""
+    level = pin_decode_isa() if spec.device == "cpu" else None  # before any oneDNN primitive
     start_stage("codec", spec)
     from omni_stream.checkpoints.io import load_codec
 
@@ -373,6 +391,14 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
     stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
     if spec.device == "cpu":
         log.info("codec warm-up: %.1f s", stage.warm_up())
+        if model.packed:
+            same = stage.check_invariance()
+            log.log(logging.INFO if same else logging.WARNING,
+                    "bf16 decode at oneDNN level %s: %s", level,
+                    "the same bits at any chunk plan and batch (checked)" if same else
+                    "NOT the same bits at any chunk plan (a stream's audio follows its chunking "
+                    "within bf16 rounding); --codec-dtype float32 for a decode that does not "
+                    "depend on the ISA")
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
         from omni_stream.engine.cpu.native import CoreLease
         from omni_stream.transport.ring import LEASE_OFF
@@ -394,11 +420,20 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
         orphan_cleanup()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (``torch.equal`` calls -0.0 and 0.0 equal and NaN unequal)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
 def stage_kernels(model: Code2Wav) -> Code2Wav:
     """``model`` set up to run as the codec stage runs it: on a CPU in bf16, weights packed once
     and the runtime's one-pass Snake (the kernels whose output is the same bits at any chunk
-    plan); unchanged elsewhere. A client decoding on the same kind of CPU with it gets the
-    stage's samples."""
+    plan where oneDNN runs at ``onednn.DECODE_LEVEL``: ``pin_decode_isa`` before the process's
+    first oneDNN call); unchanged elsewhere. A client decoding on the same kind of CPU with it
+    gets the stage's samples."""
     model.pack(snake=_snake_kernel(model))
     return model
 
