@@ -127,6 +127,88 @@ def test_pricing_picks_the_most_faithful_path_that_is_real_time():
     assert ranks == sorted(ranks, reverse=True)  # more bandwidth never buys a less faithful path
 
 
+def test_frame_reads_split_the_frame_bytes_by_stack_and_kind():
+    t = _cfg("0.6b").talker
+    for wp in adapt.NATIVE_PATHS_BY_FIDELITY:
+        r = native.frame_reads(t, NATIVE_PLANS[wp])
+        assert r.total == native.frame_weight_bytes(t, NATIVE_PLANS[wp])
+        assert r.sub_steps == t.num_code_groups - 1 == 15
+        assert all(b > 0 for b in (*r.talker.values(), *r.cp.values()))
+    mixed = native.frame_reads(t, NATIVE_PLANS["mixed"])
+    assert set(mixed.talker) == {"q8g", "q5"} and set(mixed.cp) == {"q8g", "q6", "q5"}
+
+
+def test_cache_resident_code_predictor_reads_are_priced_at_their_kernels_rate():
+    """A frame's price: each product at the lower of where its weights come from and its
+    kernel's own rate; the code predictor's 14 re-reads at the bandwidth measured over a buffer
+    of its size (a large cache's, or memory's). Without rates it is bytes over bandwidth."""
+    t = _cfg("0.6b").talker
+    r = native.frame_reads(t, NATIVE_PLANS["mixed"])
+    mem = 30.0 * adapt.NATIVE_READ_EFFICIENCY * 1e9
+    bytes_only = adapt.priced_frame_s(r, 30.0)
+    assert bytes_only == pytest.approx(r.total / mem)
+    fast = {k: 1e6 for k in ("q5", "q6", "q8g")}
+    assert adapt.priced_frame_s(r, 30.0, fast, 30.0) == pytest.approx(bytes_only)
+    # a re-read below memory's bandwidth is noise: never priced slower than memory
+    assert adapt.priced_frame_s(r, 30.0, fast, 3.0) == pytest.approx(bytes_only)
+    cached = adapt.priced_frame_s(r, 30.0, fast, 300.0)  # a big L3 holds the code predictor
+    first = (sum(r.talker.values()) + r.cp_bytes) / mem
+    assert cached == pytest.approx(first + 14 * r.cp_bytes / 300e9)
+    # kernels slower than the cache bound the re-reads; slower than memory, every read
+    slow = {"q5": 40.0, "q6": 40.0, "q8g": 20.0}
+    bound = adapt.priced_frame_s(r, 30.0, slow, 300.0)
+    want = (r.talker["q5"] / 30e9 + r.talker["q8g"] / 20e9
+            + r.cp["q5"] / 30e9 + r.cp["q6"] / 30e9 + r.cp["q8g"] / 20e9
+            + 14 * (r.cp["q5"] / 40e9 + r.cp["q6"] / 40e9 + r.cp["q8g"] / 20e9))
+    assert bound == pytest.approx(want)
+    assert cached < bound and bytes_only < adapt.priced_frame_s(r, 30.0, slow, None)
+    # an unmeasured kind is unbounded
+    assert adapt.priced_frame_s(r, 30.0, {}, None) == pytest.approx(bytes_only)
+
+
+def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monkeypatch):
+    """The serve path's pricing on a probed machine: the bandwidth, every kind's kernel rate
+    (one thread's, times the threads) and each path's re-read bandwidth are measured; a
+    machine whose cache holds the code predictor gets the faithful path at a bandwidth where
+    bytes alone would not allow it. The measurements are stubbed: what is checked is how the
+    figures are combined and passed on."""
+    from pathlib import Path
+
+    from omni_stream.edge import measure
+    from omni_stream.edge.probe import probe
+    from omni_stream.orchestrator import flags
+
+    hw = probe(str(Path(__file__).parent / "data" / "hw" / "local_xeon_2c"), None)
+    assert hw.source == "probe" and adapt.NATIVE_ISA <= hw.isa
+    cfg = _cfg("0.6b")
+    monkeypatch.delenv(flags.BANDWIDTH_ENV, raising=False)
+    threads = []
+    monkeypatch.setattr(native, "kernel_read_gbs", lambda kind, t: threads.append(t) or 40.0)
+
+    def bandwidth(t, mib=256):  # 25 GB/s from memory, 400 from a cache of <= 128 MiB
+        return 400.0 if mib <= 128 else 25.0
+
+    monkeypatch.setattr(measure, "memory_bandwidth_gbs", bandwidth)
+    monkeypatch.setattr(flags, "_BANDWIDTH", {})
+    bw, priced = flags._weight_path_pricing(hw, cfg)
+    assert bw == 25.0 and set(threads) == {1}
+    reads = native.frame_reads(cfg.talker, NATIVE_PLANS["mixed"])
+    mem = 25.0 * 1e9 * adapt.NATIVE_READ_EFFICIENCY
+    want = adapt.priced_frame_s(reads, 25.0, {k: 40.0 * hw.physical_cores for k in native.KINDS}, 400.0)
+    assert priced["mixed"] == round(want * mem) < reads.total
+    kw = dict(model_bytes=1_800_000_000, kv_bytes_per_token=28 * 8 * 128 * 4)
+    by_bytes, _ = build_profile(hw, bandwidth_gbs=25.0, frame_bytes={
+        wp: native.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in priced}, **kw)
+    cached, _ = build_profile(hw, bandwidth_gbs=25.0, frame_bytes=priced, **kw)
+    assert by_bytes.weight_path != "mixed" and cached.weight_path == "mixed"
+
+
+def test_the_runtime_kernels_rate_is_measured_for_every_kind():
+    for kind in ("q4", "q5", "q6", "q8", "q8g"):
+        rate = native.kernel_read_gbs(kind, 1, n=64, k=128, seconds=0.005)
+        assert 0 < rate < float("inf")
+
+
 def test_the_profile_prices_by_bandwidth_only_where_the_native_runtime_runs():
     from pathlib import Path
 

@@ -295,6 +295,28 @@ def priced_weight_path(frame_bytes: Mapping[str, int], bandwidth_gbs: float) -> 
     return NATIVE_PATHS_BY_FIDELITY[-1]
 
 
+def priced_frame_s(reads, dram_gbs: float, kernel_gbs: Mapping[str, float] | None = None,
+                   reread_gbs: float | None = None) -> float:
+    """Seconds a frame of ``reads`` (``engine.cpu.native.FrameReads``) takes where each product
+    goes at the lower of where its weights come from and its kernel's own rate: the talker's
+    and the code predictor's first sub-step from memory (``dram_gbs`` x
+    ``NATIVE_READ_EFFICIENCY``), the other sub-steps re-read the code predictor at
+    ``reread_gbs`` (the read bandwidth measured over a buffer of its size: the cache's where it
+    fits, memory's where not). ``kernel_gbs``: each weight kind's measured cache-resident rate
+    (``native.kernel_read_gbs``); missing kinds and None are unbounded, and without
+    ``reread_gbs`` a re-read costs what a first read does: then this is bytes over bandwidth,
+    the pricing of a machine nothing was measured on."""
+    mem = dram_gbs * 1e9 * NATIVE_READ_EFFICIENCY
+    again = mem if not reread_gbs else max(reread_gbs * 1e9, mem)
+
+    def cost(by_kind: Mapping[str, int], source: float) -> float:
+        return sum(b / min(source, (kernel_gbs or {}).get(k, math.inf) * 1e9)
+                   for k, b in by_kind.items())
+
+    return (cost(reads.talker, mem) + cost(reads.cp, mem)
+            + (reads.sub_steps - 1) * cost(reads.cp, again))
+
+
 def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
                        fidelity_first: bool = False, dtype_user: str | None = None,
                        bandwidth_gbs: float | None = None,
@@ -549,5 +571,5 @@ def profile_notes(profile: DeployProfile) -> list[str]:
 __all__ = [
     "CLASS_DIR", "DEFAULTS", "FIELDS", "DeployProfile", "build_profile", "derive",
     "calibration_values", "derive_cpu_sets", "derive_memory", "derive_threads",
-    "derive_codec_dtype", "derive_weight_path", "format_profile", "load_class_file", "profile_to_dict",
+    "derive_codec_dtype", "derive_weight_path", "priced_frame_s", "format_profile", "load_class_file", "profile_to_dict",
 ]

@@ -91,21 +91,26 @@ BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
 
 
 def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
-    """(read bandwidth, weight bytes per frame of each native weight path) for the profile to
-    price weight paths with (``edge.adapt.priced_weight_path``). The bandwidth is
-    ``OMNI_STREAM_BANDWIDTH_GBS`` if set, else measured on every core the talker may use (a
-    second), once per process (the profile is built twice at start-up), and logged with each
-    path's priced frame; None where the hardware is an override describing another machine
-    (nothing here to measure)."""
+    """(read bandwidth, what a frame of each native weight path costs, in bytes read at that
+    bandwidth) for the profile to price weight paths with (``edge.adapt.priced_weight_path``).
+    The bandwidth is ``OMNI_STREAM_BANDWIDTH_GBS`` if set (then a frame costs its weight bytes:
+    nothing else is known of that machine), else measured on every core the talker may use,
+    once per process (the profile is built twice at start-up). A measured machine also gets
+    each weight kind's cache-resident kernel rate and, per path, the read bandwidth over a
+    buffer the size of the code predictor's weights, which it reads 15 times a frame: where a
+    large cache keeps them between sub-steps (an AMX Xeon's 300 MB L3) the re-reads are bound
+    by the kernels, not by memory (``edge.adapt.priced_frame_s``). Each path's priced frame is
+    logged; None where the hardware is an override describing another machine."""
     import os
 
     from omni_stream.edge import adapt
     from omni_stream.edge.measure import memory_bandwidth_gbs
-    from omni_stream.engine.cpu.native import frame_weight_bytes
+    from omni_stream.engine.cpu.native import frame_reads, kernel_read_gbs
     from omni_stream.engine.loading import NATIVE_PLANS
 
-    frame_bytes = {wp: frame_weight_bytes(cfg.talker, plan) for wp, plan in NATIVE_PLANS.items()
-                   if wp in LOW_BIT_WEIGHT_PATHS}
+    reads = {wp: frame_reads(cfg.talker, plan) for wp, plan in NATIVE_PLANS.items()
+             if wp in LOW_BIT_WEIGHT_PATHS}
+    frame_bytes = {wp: r.total for wp, r in reads.items()}
     env = os.environ.get(BANDWIDTH_ENV, "").strip()
     if env:
         try:
@@ -121,16 +126,36 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
         threads = min(hw.physical_cores, adapt.MAX_STAGE_THREADS)
         key, how = threads, f"measured on {threads} threads"
     if key not in _BANDWIDTH:
-        _BANDWIDTH[key] = bw if env else memory_bandwidth_gbs(key)
-        gbs = _BANDWIDTH[key]
-        log.info("weight paths priced at %.1f GB/s (%s): %s per frame (real time: <= %.0f ms)",
-                 gbs, how, ", ".join(f"{wp} {b / (gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
-                                     for wp, b in frame_bytes.items()),
+        gbs = bw if env else memory_bandwidth_gbs(key)
+        priced, detail = dict(frame_bytes), ""
+        if not env and adapt.NATIVE_ISA <= hw.isa:
+            try:
+                kinds = sorted({k for r in reads.values() for k in (*r.talker, *r.cp)})
+                # one thread's rate times the threads: the products split their rows across
+                # the pool's threads, and a pool timed on a busy machine measures its spinning
+                rates = {k: kernel_read_gbs(k, 1) * key for k in kinds}
+                reread = {wp: memory_bandwidth_gbs(key, mib=max(1, r.cp_bytes >> 20))
+                          for wp, r in reads.items()}
+            except Exception as e:  # no compiler here: the native paths are not served anyway
+                log.warning("weight paths priced by bytes alone: the kernels' rates could not "
+                            "be measured (%s)", e)
+            else:
+                mem = gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY
+                priced = {wp: round(adapt.priced_frame_s(r, gbs, rates, reread[wp]) * mem)
+                          for wp, r in reads.items()}
+                detail = ("; kernels from cache " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+                          + " GB/s; code predictor re-read at " + ", ".join(
+                              f"{wp} {reread[wp]:.0f}" for wp in reads) + " GB/s")
+        _BANDWIDTH[key] = (gbs, priced)
+        log.info("weight paths priced at %.1f GB/s (%s)%s: %s per frame (real time: <= %.0f ms)",
+                 gbs, how, detail,
+                 ", ".join(f"{wp} {b / (gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
+                           for wp, b in priced.items()),
                  adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
-    return _BANDWIDTH[key], frame_bytes
+    return _BANDWIDTH[key]
 
 
-_BANDWIDTH: dict = {}  # per process: env value or thread count -> GB/s
+_BANDWIDTH: dict = {}  # per process: env value or thread count -> (GB/s, priced frame bytes per path)
 
 
 def _settings(a: argparse.Namespace, path, prof, sources):

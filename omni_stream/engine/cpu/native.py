@@ -22,6 +22,8 @@ import ctypes as C
 import json
 import logging
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -599,14 +601,84 @@ def frame_weight_bytes(talker_cfg, plan: WeightPlan) -> int:
         return sum(product_bytes(*shapes[p], plan.kind(stack, i, c.num_hidden_layers, p))
                    for p in PRODUCTS)
 
+    return frame_reads(talker_cfg, plan).total
+
+
+@dataclass(frozen=True)
+class FrameReads:
+    """The weight bytes one decode frame reads, by weight kind: the talker's (once) and one
+    code-predictor sub-step's (``sub_steps`` times a frame: the same weights again, which a
+    large enough cache keeps between sub-steps)."""
+
+    talker: dict[str, int]
+    cp: dict[str, int]
+    sub_steps: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.talker.values()) + self.sub_steps * sum(self.cp.values())
+
+    @property
+    def cp_bytes(self) -> int:
+        return sum(self.cp.values())
+
+
+def frame_reads(talker_cfg, plan: WeightPlan) -> FrameReads:
+    """``FrameReads`` of one decode frame under ``plan`` (``config.TalkerConfig``)."""
+    def add(into: dict[str, int], n: int, k: int, kind: str) -> None:
+        kk = kind_for(n, k, kind)
+        into[kk] = into.get(kk, 0) + product_bytes(n, k, kk)
+
+    def layers(c, stack: str, into: dict[str, int]) -> None:
+        q = c.num_attention_heads * c.head_dim
+        kv = c.num_key_value_heads * c.head_dim
+        shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+                  "gate_up": (2 * c.intermediate_size, c.hidden_size),
+                  "down": (c.hidden_size, c.intermediate_size)}
+        for i in range(c.num_hidden_layers):
+            for p in PRODUCTS:
+                add(into, *shapes[p], plan.kind(stack, i, c.num_hidden_layers, p))
+
     lm, cp = talker_cfg.lm, talker_cfg.code_predictor
-    talker = sum(layer_bytes(lm, "talker", i) for i in range(lm.num_hidden_layers))
-    talker += product_bytes(lm.vocab_size, lm.hidden_size, plan.head("talker"))
-    sub = sum(layer_bytes(cp, "cp", i) for i in range(cp.num_hidden_layers))
-    sub += product_bytes(cp.vocab_size, cp.hidden_size, plan.head("cp"))
+    talker: dict[str, int] = {}
+    layers(lm, "talker", talker)
+    add(talker, lm.vocab_size, lm.hidden_size, plan.head("talker"))
+    sub: dict[str, int] = {}
+    layers(cp, "cp", sub)
+    add(sub, cp.vocab_size, cp.hidden_size, plan.head("cp"))
     if cp.hidden_size != lm.hidden_size:  # the talker-to-code-predictor projection
-        sub += product_bytes(cp.hidden_size, lm.hidden_size, plan.head("cp"))
-    return talker + (talker_cfg.num_code_groups - 1) * sub
+        add(sub, cp.hidden_size, lm.hidden_size, plan.head("cp"))
+    return FrameReads(talker, sub, talker_cfg.num_code_groups - 1)
+
+
+def kernel_read_gbs(kind: str, threads: int, n: int = 3072, k: int = 1024, rows: int = 1,
+                    seconds: float = 0.05, lib: C.CDLL | None = None) -> float:
+    """How fast the runtime's ``kind`` product goes through its weights (GB/s of packed weight
+    bytes) when they sit in the cache: a random [n, k] weight (a 0.6B MLP product: ~1.5-3 MB,
+    cache-resident) times ``rows`` activation rows, called for ``seconds`` after a warm-up,
+    median over five such runs. This is the kernel's own ceiling; a product whose weights come
+    from memory runs at the lower of this and the read bandwidth."""
+    lib = lib or _lib()
+    packed = pack_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02,
+                         None, kind)
+    pool = Pool(threads, lib)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    y = torch.empty(rows, packed.n, dtype=torch.float32)
+    nbytes = product_bytes(n, k, kind)
+
+    def call() -> None:
+        lib.oc_linear(pool.handle, C.byref(packed.struct), x.data_ptr(), rows, y.data_ptr())
+
+    for _ in range(3):
+        call()
+    rates = []
+    for _ in range(5):
+        calls, t0 = 0, time.perf_counter()
+        while (dt := time.perf_counter() - t0) < seconds / 5 or calls < 3:
+            call()
+            calls += 1
+        rates.append(calls * nbytes / dt / 1e9)
+    return statistics.median(rates)
 
 
 class NativeStack:
