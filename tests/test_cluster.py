@@ -168,6 +168,74 @@ def test_cluster_flags_that_fit():
         cluster_flags_valid(_serve_args(*argv))
 
 
+# ------------------------------------------------------------------ reaping a killed replica
+_OWNER = """
+import sys, time
+from omni_stream.transport.shm import SegmentRegistry
+reg = SegmentRegistry(shm_dir=sys.argv[1], handle_signals=False)
+made = [reg.create("frames", 8192), reg.create("audio", 8192)]
+print(reg.prefix, *[s.path for s in made], flush=True)
+time.sleep(600)
+"""
+_STAGE = """
+import mmap, sys, time
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 0)
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_reap_kills_a_dead_replicas_stages_and_unlinks_only_its_segments(tmp_path):
+    """``reap``: nothing while the owner lives; once it is dead (SIGKILL: no clean-up of its
+    own), its recorded stage and any process still mapping its segments are killed and its
+    segments unlinked, while another owner's segment, and a file named like the dead owner's
+    but whose preamble names someone else, stay."""
+    from omni_stream.cluster.reap import PipelineRecord, reap
+    from omni_stream.transport.shm import SegmentRegistry, process_start_time
+
+    shm = str(tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, shm], stdout=subprocess.PIPE,
+                             text=True)
+    procs = [owner]
+    mine = SegmentRegistry(shm_dir=shm, handle_signals=False)
+    try:
+        prefix, *paths = owner.stdout.readline().split()
+        stages = [subprocess.Popen([sys.executable, "-c", _STAGE, p], stdout=subprocess.PIPE,
+                                   text=True) for p in paths]
+        procs += stages
+        assert [s.stdout.readline().strip() for s in stages] == ["mapped", "mapped"]
+        kept = mine.create("audio", 8192).path  # a live owner's segment in the same folder
+        forged = f"{shm}/{prefix}-audio-9"  # the dead owner's name, another owner's preamble
+        Path(forged).write_bytes(Path(kept).read_bytes())
+        os.chmod(forged, 0o600)
+        rec = PipelineRecord("r1", "node", (owner.pid, process_start_time(owner.pid)),
+                             ((stages[0].pid, process_start_time(stages[0].pid)),), prefix, shm)
+        assert rec.has_token
+        assert reap(rec).owner_alive  # the replica runs: nothing touched
+        assert all(s.poll() is None for s in stages) and all(map(os.path.exists, paths))
+
+        owner.kill()
+        owner.wait()
+        got = reap(rec, wait_s=5)
+        assert not got.owner_alive
+        # the recorded stage and the one found through its mapping
+        assert sorted(got.killed) == sorted(s.pid for s in stages)
+        assert [s.wait(10) for s in stages] == [-signal.SIGKILL] * 2
+        assert sorted(got.unlinked) == sorted(paths)
+        assert sorted(os.listdir(shm)) == sorted(os.path.basename(p) for p in (kept, forged))
+        again = reap(rec)  # a second reap (the registry's and the entry's) finds nothing
+        assert again.killed == () and again.unlinked == ()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        mine.close()
+    with pytest.raises(ValueError, match="owner's pid"):
+        PipelineRecord("r1", "node", (owner.pid + 1, None), (), prefix, shm)
+    assert PipelineRecord("r1", "node", (7, None)).shm_prefix == "omni-stream-7"
+
+
 # ------------------------------------------------------------------ entry middleware
 def _asgi_call(app, scope, body: bytes = b"") -> tuple[dict, bytes]:
     sent: list[dict] = []
@@ -295,8 +363,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _segments(pids: set[int]) -> list[str]:
-    return [n for n in os.listdir("/dev/shm")
+def _segments(pids: set[int], shm_dir: str = "/dev/shm") -> list[str]:
+    return [n for n in os.listdir(shm_dir)
             if n.startswith("omni-stream-") and n.split("-")[2].isdigit()
             and int(n.split("-")[2]) in pids]
 
@@ -319,38 +387,69 @@ async def _speech(s, url, body, read_delay: float = 0.0) -> dict:
     return out
 
 
+def _serve_cli(ck: Path, voice_dir: Path, **env_vars: str) -> tuple[subprocess.Popen, str]:
+    """``omni-stream serve --ray local --replicas 2`` in a session of its own: the process and
+    the entry's URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env_vars
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_stream.cli", "serve", "--ray", "local", "--replicas", "2",
+         "--model", str(ck), "--port", str(port), "--voice-dir", str(voice_dir),
+         "--max-queue", "8", "--queue-timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_cli_replicas(proc: subprocess.Popen, url: str, seen: set[int]) -> dict:
+    """The entry's /health once both replicas serve and the CLI waits for a signal (``seen``
+    collects the processes under the CLI meanwhile)."""
+    import urllib.request
+
+    for line in proc.stdout:  # printed once the application runs, before the wait
+        seen |= _descendants(proc.pid)
+        if line.startswith("omni-stream cluster entry:"):
+            break
+    else:
+        raise AssertionError(f"serve ended before serving (exit status {proc.wait()})")
+    deadline = time.monotonic() + 300
+    health: dict = {}
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        seen |= _descendants(proc.pid)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                health = json.loads(r.read())
+            if health.get("replicas_up") == 2:
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    assert health.get("replicas_up") == 2, health
+    assert len({r["pid"] for r in health["replicas"]}) == 2
+    return health
+
+
+def _stop_cli(proc: subprocess.Popen, sig: int) -> str:
+    """Send ``sig`` to the CLI and wait for its exit (its output)."""
+    proc.send_signal(sig)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"serve did not stop on {signal.Signals(sig).name}:\n{out[-3000:]}")
+    return out
+
+
 def test_cli_serves_on_a_local_cluster_and_leaves_nothing_behind(ckpt_factory, tmp_path):
     """`omni-stream serve --ray local --replicas 2`: both replicas answer through one entry;
     SIGTERM ends it with no process and no shared-memory segment left."""
     ck = ckpt_factory("tiny", "custom_voice", 0)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_stream.cli", "serve", "--ray", "local", "--replicas", "2",
-         "--model", str(ck), "--port", str(port), "--voice-dir", str(tmp_path / "voices"),
-         "--max-queue", "8", "--queue-timeout", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve_cli(ck, tmp_path / "voices")
     seen: set[int] = set()
     try:
-        deadline = time.monotonic() + 300
-        health: dict = {}
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            seen |= _descendants(proc.pid)
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    health = json.loads(r.read())
-                if health.get("replicas_up") == 2:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        assert health.get("replicas_up") == 2, health
-        assert len({r["pid"] for r in health["replicas"]}) == 2
+        health = _wait_cli_replicas(proc, url, seen)
 
         async def drive():
             # bursts until both replicas have served (a replica /health lists may join the
@@ -378,19 +477,83 @@ def test_cli_serves_on_a_local_cluster_and_leaves_nothing_behind(ckpt_factory, t
         assert _segments(seen | stage_pids), "the replicas' pipelines own shared memory"
     finally:
         seen |= _descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise AssertionError(f"serve did not stop on SIGTERM:\n{out[-3000:]}")
+        out = _stop_cli(proc, signal.SIGTERM)
     assert proc.returncode == 0, out[-3000:]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and [p for p in seen if _alive(p)]:
         time.sleep(0.5)
     assert not [p for p in seen if _alive(p)], "processes left behind"
     assert _segments(seen | {proc.pid}) == []
+
+
+def test_cli_reaps_a_replica_killed_mid_stream_when_it_stops(ckpt_factory, tmp_path):
+    """Issue 37's case: `serve --ray local --replicas 2`, one replica's process SIGKILLed while
+    it streams, then the entry stopped with SIGINT: within 5 s of the entry's exit no stage
+    process of the killed replica runs and no segment of the cluster is left. The entry (or
+    the registry, if the replica's silence is noticed first) reaps what the killed replica left (its stages would notice their parent is gone
+    only later). The checkpoint is moved away before the kill, so no replacement replica
+    starts: one that did would sweep the dead replica's segments at its start, and the test
+    would pass or fail with the race. The segments live in a folder of the test's own
+    (OMNI_STREAM_SHM_DIR, which the replicas get): any omni-stream server started on this
+    machine meanwhile sweeps dead owners' segments from /dev/shm at its start."""
+    import shutil
+
+    ck = Path(shutil.copytree(ckpt_factory("tiny", "custom_voice", 0), tmp_path / "model"))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc, url = _serve_cli(ck, tmp_path / "voices", OMNI_STREAM_SHM_DIR=str(shm))
+    seen: set[int] = set()
+    try:
+        health = _wait_cli_replicas(proc, url, seen)
+        pids = {r["replica"]: r["pid"] for r in health["replicas"]}
+        stages = {rid: _stage_pids(pid) for rid, pid in pids.items()}
+        assert all(len(s) >= 2 for s in stages.values()), stages
+        assert {int(n.split("-")[2]) for n in _segments(set(pids.values()), str(shm))} == \
+            set(pids.values()), "each replica's rings are in the test's folder"
+
+        def body(seed):  # long enough to be streaming when the replica is killed
+            return {"input": TEXT * 4, "voice": "ryan", "response_format": "pcm",
+                    "seed": seed, "max_new_tokens": 400, "model": "tts-1"}
+
+        async def stream_and_kill():
+            # streams until both replicas hold one; the first one's replica is killed once
+            # its audio flows
+            async with aiohttp.ClientSession() as s:
+                responses = []
+                try:
+                    for seed in range(8):
+                        r = await s.post(url + "/v1/audio/speech", json=body(seed))
+                        assert r.status == 200, await r.text()
+                        responses.append(r)
+                        if len({r.headers[REPLICA] for r in responses}) == 2:
+                            break
+                    victim = responses[0].headers[REPLICA]
+                    assert await responses[0].content.readany()
+                    ck.rename(tmp_path / "model-gone")  # the replacement cannot start
+                    os.kill(pids[victim], signal.SIGKILL)
+                    return victim
+                finally:
+                    for r in responses:
+                        r.close()
+
+        victim = run_async(stream_and_kill(), 300)
+        seen |= _descendants(proc.pid)
+    finally:
+        seen |= _descendants(proc.pid)
+        out = _stop_cli(proc, signal.SIGINT)
+    exited = time.monotonic()
+    assert proc.returncode == 0, out[-3000:]
+    owners = seen | set(pids.values()) | {proc.pid}
+    left: tuple = ()
+    while time.monotonic() - exited < 5.0:
+        left = ([p for p in stages[victim] if _alive(p)], _segments({pids[victim]}, str(shm)),
+                _segments(owners, str(shm)) + _segments(owners))
+        if not any(left):
+            break
+        time.sleep(0.1)
+    assert not any(left), (f"{time.monotonic() - exited:.1f} s after the entry's exit: "
+                           f"stages {left[0]}, the killed replica's segments {left[1]}, the "
+                           f"cluster's {left[2]}\n{out[-3000:]}")
 
 
 def _upload(url: str, name: str, wav: bytes):
@@ -637,17 +800,21 @@ def test_a_replica_killed_mid_stream_fails_only_its_streams(base_cluster):
                 r.release()
             return victim, replicas, out
 
+    stages = {rid: _stage_pids(pid) for rid, pid in pids.items()}
     victim, replicas, out = run_async(run_and_kill(), 600)
     survivors = [seed for seed in replicas if replicas[seed] != victim]
     assert survivors and len(survivors) < len(replicas)
     for seed in replicas:
         if replicas[seed] == victim:
             assert out[seed][0] == "aborted", seed  # the single server's contract
-    # the killed replica's stage processes clean up its shared memory
+    # what the killed replica left (stage processes, shared memory) is reaped by the registry
+    # once the replica misses its heartbeats, whatever its stages do
     deadline = time.monotonic() + 30
-    while _segments({pids[victim]}) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+            _segments({pids[victim]}) or any(_alive(p) for p in stages[victim])):
         time.sleep(0.5)
     assert _segments({pids[victim]}) == []
+    assert [p for p in stages[victim] if _alive(p)] == []
     # new requests keep succeeding while it restarts; the surviving streams were bit-identical
     # to the same seeded requests made undisturbed
     for seed in survivors:

@@ -6,7 +6,10 @@
   exactly the single-server API, from the same code.
 - ``router``: Serve's request router for it, ranking replicas by free real-time capacity.
 - ``registry``: one actor on the head node: the voice store every replica reads (persisted on
-  the head's disk) and the replica directory /metrics and /health aggregate over.
+  the head's disk), the replica directory /metrics and /health aggregate over, and the
+  replicas' pipeline records it reaps killed replicas by.
+- ``reap``: what a killed replica leaves on its node (stage processes, shared-memory
+  segments) and its removal.
 - ``launch``: connect to (or start) Ray, deploy, serve until Ctrl-C, tear down.
 - ``autoscale``: Serve's autoscaling policy on real-time capacity in use.
 - ``forward``: the ASGI -> aiohttp forwarding (HTTP streams and WebSockets, bytes unchanged).

@@ -6,7 +6,8 @@ joins the cluster this machine belongs to (``ray start``), anything else is give
 application ``omni-stream`` (``--replicas N``, or ``--min-replicas``/``--max-replicas`` to
 autoscale), serves the API on ``--host``/``--port`` through Serve's proxy on the head node,
 and on Ctrl-C / SIGTERM deletes the application (each replica drains its streams and stops
-its stage processes) and the registry actor.
+its stage processes), reaps what replicas that were killed left on their nodes (stage
+processes, shared-memory segments: ``reap``) and deletes the registry actor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "omni-stream"
 DEPLOYMENT = "OmniStreamReplica"
+TEARDOWN_WAIT_S = 2.0  # for a deleted replica's process to end before its pipeline is reaped
 CONTROL_HEADROOM = 32  # requests beyond streams and queue a replica takes (voices, metrics...)
 PROXY_QUEUE = 64  # requests the proxy holds while no replica can take them; more: 429
 
@@ -213,15 +215,30 @@ def entry_has_middleware(url: str, timeout: float = 30.0) -> bool:
 
 
 def teardown(address: str) -> None:
+    """Delete the application, reap the pipelines of replicas that died without cleaning up
+    (killed; a replica deleted in order has cleaned up itself), delete the registry; with
+    ``local``, stop the cluster and reap what its end left."""
     import ray
     from ray import serve
 
-    from omni_stream.cluster.registry import registry_handle
+    from omni_stream.cluster.reap import reap_all
+    from omni_stream.cluster.registry import CALL_TIMEOUT_S, registry_handle
 
     try:
         serve.delete(APP_NAME)
     except Exception as e:
         log.warning("could not delete the application: %s", e)
+    here = ray.get_runtime_context().get_node_id()
+    records = []
+    try:
+        registry = registry_handle()
+        records = ray.get(registry.pipelines.remote(), timeout=CALL_TIMEOUT_S)
+    except Exception as e:
+        log.warning("could not read the replicas' pipelines from the registry (%s): what "
+                    "killed replicas left stays until their stages or the next server on "
+                    "their node remove it", e)
+    got = reap_all(records, here=here, wait_s=TEARDOWN_WAIT_S)
+    left = [r for r in records if got.get(r.replica) is None or got[r.replica].owner_alive]
     try:
         ray.kill(registry_handle())
     except Exception:
@@ -229,6 +246,9 @@ def teardown(address: str) -> None:
     if address == "local":
         serve.shutdown()
     ray.shutdown()
+    if address == "local" and left:
+        # every node was this machine, and its replicas end with the cluster
+        reap_all(left, here=here, wait_s=TEARDOWN_WAIT_S * 2)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -33,11 +33,11 @@ import ray
 from ray import serve
 
 from omni_stream.cluster.forward import Forwarder
-from omni_stream.cluster.registry import RemoteVoiceStore, registry_handle
+from omni_stream.cluster.reap import pipeline_record, this_process
+from omni_stream.cluster.registry import HEARTBEAT_S, RemoteVoiceStore, registry_handle
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 3.0
 REPLICA_HEADER = "x-omni-stream-replica"  # names the replica that served a response
 PEER_TIMEOUT_S = 3.0
 
@@ -170,6 +170,14 @@ class OmniStreamReplica:
             start_timeout += pipe_settings.start_timeout_s
         self.backend = backend
         self.registry = registry_handle()
+        # before the pipeline exists: should this process be killed while it starts, the
+        # registry still knows whose segments and stages to remove (reap.py)
+        try:
+            ray.get(self.registry.record_pipeline.remote(
+                self.replica_id, this_process(self.replica_id, self.node_id)), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            log.warning("could not record this replica in the registry (%s): the first "
+                        "heartbeat will", type(e).__name__)
         self.server = ServerThread(self.backend, settings or ServerSettings(),
                                    RemoteVoiceStore(self.registry), self.node_ip)
         t0 = time.perf_counter()
@@ -234,7 +242,11 @@ class OmniStreamReplica:
                 "pid": os.getpid()}
 
     def _register(self) -> None:
-        ray.get(self.registry.register.remote(self.replica_id, self._info()), timeout=30)
+        """Heartbeat: the directory entry and the pipeline's current record (its stages change
+        when the supervisor restarts it)."""
+        pipeline = pipeline_record(self.backend, self.replica_id, self.node_id)
+        ray.get(self.registry.register.remote(self.replica_id, self._info(), pipeline),
+                timeout=30)
 
     def _heartbeat(self) -> None:
         while not self._closing.wait(HEARTBEAT_S):

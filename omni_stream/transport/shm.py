@@ -216,8 +216,9 @@ def open_segment(path: str) -> Segment:
     return Segment(os.path.basename(path), path, st.st_size, mm)
 
 
-def _read_owner(path: str) -> tuple[int, int | None] | None:
-    """(owner pid, start time or None) from a segment's preamble, None if unreadable/foreign."""
+def segment_owner(path: str) -> tuple[int, int | None] | None:
+    """(owner pid, start time or None) from a segment's preamble, None if unreadable/foreign:
+    whose segment a file is, whatever its name says (cleanup_stale, cluster.reap)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -261,7 +262,7 @@ def cleanup_stale(prefix: str = SEGMENT_PREFIX, shm_dir: str | None = None) -> l
             continue
         if st.st_uid != os.getuid() or not (st.st_mode & 0o170000 == 0o100000):
             continue
-        owner = _read_owner(path) or (int(m.group(1)), None)
+        owner = segment_owner(path) or (int(m.group(1)), None)
         if owner[0] == me or pid_alive(*owner):
             continue
         try:
