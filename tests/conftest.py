@@ -1,16 +1,19 @@
-"""Shared fixtures: tiny random checkpoints written once per test session."""
+"""Shared fixtures (tiny random checkpoints written once per test session, the servers and the
+cluster some modules share) and the lanes: every test is marked by what it starts
+(tests/lanes.py), and a test of the unit lane that starts a process fails."""
 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import pytest
 import torch
 
 from omni_stream.engine.cpu.onednn import pin_decode_isa
+from lanes import LANES, STARTS, Guard, Reader, StartsAProcess, item_lanes
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # The client decoders run inside this process in the tests; a client process pins oneDNN's
 # level before its bf16 decode (``TorchDecoder``), which only takes before the process's first
 # oneDNN call: pin it here, first, as the codec stage does (engine/cpu/onednn.py).
@@ -90,7 +93,7 @@ def ray_cluster():
     c.shutdown()
 
 
-@pytest.fixture(params=["direct", "cluster"])
+@pytest.fixture(params=["direct", pytest.param("cluster", marks=pytest.mark.ray)])
 def api_entry(request, monkeypatch):
     """Run a server API test against the single server and against the cluster entry: in the
     cluster case the test module's ``running_server`` deploys the test's backend as a replica
@@ -105,10 +108,77 @@ def api_entry(request, monkeypatch):
     return request.param
 
 
+# ---------------------------------------------------------------- lanes (tests/lanes.py)
+def pytest_addoption(parser):
+    parser.addoption("--torch-threads", type=int, default=None, metavar="N",
+                     help="torch threads for the session (default: 2, or 1 on one CPU). "
+                          "scripts/test.sh --fast uses 1: the unit lane's tiny models gain "
+                          "nothing from a second thread, and on a busy 2-core machine its "
+                          "barrier waits cost several times their work")
+
+
+def pytest_configure(config):
+    torch.set_num_threads(config.getoption("torch_threads")
+                          or max(1, min(2, os.cpu_count() or 1)))
+    for lane, what in LANES.items():
+        config.addinivalue_line("markers", f"{lane}: {what}")
+    # the OpenAI SDK sends platform.processor(), which runs `uname -p` once per interpreter
+    # (cached after): asked here, so that no unit test is the one that starts it
+    platform.processor()
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that use the Ray cluster run last, together: the cluster starts once and its
+    """Mark each test with the lanes its code reaches (``unit`` when none and not ``slow``).
+    Tests that start a Ray cluster run last, together: the cluster starts once and its
     background processes do not run beside the rest of the suite."""
-    def uses_cluster(item) -> bool:
-        names = getattr(item, "fixturenames", ())
-        return "ray_cluster" in names or "api_entry" in names or "base_cluster" in names
-    items[:] = sorted(items, key=uses_cluster)
+    reader = Reader()
+    for item in items:
+        found = item_lanes(item, reader)
+        found |= {lane for lane in STARTS if item.get_closest_marker(lane)}  # hand or param marks
+        for lane in sorted(found - {m.name for m in item.iter_markers()}):
+            item.add_marker(lane)
+        if not found and item.get_closest_marker("slow") is None:
+            item.add_marker("unit")
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("ray") is not None)
+
+
+def _guarded(item):
+    """The unit lane's guard for one phase of ``item`` (None outside the unit lane)."""
+    return Guard() if item.get_closest_marker("unit") is not None else None
+
+
+def _phase(item):
+    guard = _guarded(item)
+    if guard is None:
+        return (yield)
+    with guard:
+        try:
+            result = yield
+        except Exception as e:
+            if guard.seen:  # a start refused here (raised, or failing the code another way)
+                raise StartsAProcess(_misread(item, guard.seen)) from e
+            raise  # (a module fixture's refusal, cached from an earlier test, stays as it is)
+    if guard.seen:  # the refusal was caught and swallowed by the code under test
+        raise StartsAProcess(_misread(item, guard.seen))
+    return result
+
+
+def _misread(item, seen: list[str]) -> str:
+    return (f"{item.nodeid}: this test {seen[0]}; it belongs to the full lane, but "
+            "tests/lanes.py read its code as 'unit' (it starts nothing it names): add what "
+            "starts the process to STARTS there, or start it from a fixture listed there")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _phase(item))

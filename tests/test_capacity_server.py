@@ -65,7 +65,10 @@ def test_admitted_streams_play_gap_free_extra_requests_get_429_and_capacity_foll
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             h = await _health(s, url)
             cap, rtf0 = h["capacity_streams"], h["rtf_estimate"]
-            assert 1 <= cap < 4 and h["realtime"] is True and 0 < h["rtf_estimate"] < 0.85
+            # what the emulated machine guarantees on any host under any load (its frame costs
+            # are floors): a frame of one stream costs >= 36 of its 80 ms, four streams cannot
+            # all keep real time (>= 72 ms); the host's own speed can only add to that
+            assert 1 <= cap < 4 and h["realtime"] is True and 36 / 80 <= h["rtf_estimate"] < 1
             async with s.get(url + "/metrics") as r:
                 metrics = await r.text()
             assert f"omni_stream_capacity_streams {float(cap)}" in metrics
@@ -116,13 +119,16 @@ def test_slower_than_real_time_holds_first_audio_back_and_plays_gap_free(
             h = await _health(s, url)
             assert h["capacity_streams"] == 1 and h["realtime"] is False
             assert h["rtf_estimate"] > 1.0
+            # the hold-back the admission will apply: from the costs measured at start-up
+            # (read after the stream, it would follow the costs the stream itself updated)
+            hold = backend.holdback_for(30, 1)
             got = await asyncio.gather(_post(url, 30, 1), _post(url, 30, 2))
             assert sorted(st for st, _, _ in got) == [200, 429], got
             res = next(r for st, _, r in got if st == 200)
             pb = res.playback()
             assert pb.underruns == 0, pb
-            # the first audio waited about what the measured deficit of 30 frames needs
-            hold = backend.holdback_for(30, 1)
+            # the first audio waited what the measured deficit of 30 frames needs (a lower
+            # bound: load can only add to it)
             assert hold > 0 and res.ttfa_s >= hold
             return h
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -45,6 +46,38 @@ def fake_server():
         yield url
 
 
+class ServerTime(FakeBackend):
+    """A FakeBackend that takes no real time: it moves ``clock`` (the client's injected
+    ``time.monotonic``) on by ``frame_s`` per frame it makes, before handing the frame out. So
+    the client sees the timeline of a server that needs ``frame_s`` per frame on any machine
+    under any load: a chunk arrives no earlier than it was made, and at the latest when the
+    whole stream was (a client that lags reads later, never sooner)."""
+
+    def __init__(self, frame_s: float) -> None:
+        super().__init__()
+        self.frame_s = frame_s
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def stream(self, job):
+        async for chunk in super().stream(job):
+            self.now += chunk.frames * self.frame_s
+            yield chunk
+
+
+@pytest.fixture()
+def server_time(monkeypatch):
+    """A server making a frame in 5 ms of the client's (injected) clock; its URL and backend."""
+    from clients import stream_client
+
+    backend = ServerTime(frame_s=0.005)
+    monkeypatch.setattr(stream_client, "time", SimpleNamespace(monotonic=backend.clock))
+    with serving(backend) as url:
+        yield url, backend
+
+
 def _client_figures(url: str, out, capsys) -> dict:
     rc = client_main(["--url", url, "--text", "Hello there, general.", "--seed", "3",
                       "--out", str(out), "--json"])
@@ -52,16 +85,20 @@ def _client_figures(url: str, out, capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_client_writes_wav_and_reports(fake_server, tmp_path, capsys):
+def test_client_writes_wav_and_reports(server_time, tmp_path, capsys):
+    url, backend = server_time
     out = tmp_path / "a.wav"
-    fig = _client_figures(fake_server, out, capsys)
+    fig = _client_figures(url, out, capsys)
     data, sr = sf.read(out, dtype="int16")
     # "Hello there, general." is 6 frames, sent as chunks of 1, 2, 3
-    assert sr == 24000 and len(data) == expected_frames("Hello there, general.") * 1920
+    frames = expected_frames("Hello there, general.")
+    assert sr == 24000 and len(data) == frames * 1920
     np.testing.assert_array_equal(data, np.frombuffer(to_s16le(fake_audio(3, 0, len(data))), "<i2"))
     assert fig["audio_s"] == pytest.approx(len(data) / 24000, abs=1e-3)
-    assert fig["ttfa_ms"] > 0 and fig["chunks"] >= 1
-    assert fig["rtf"] < 1.0  # faster than real time...
+    # on the injected clock: the first audio once its 1 frame was made (or later, if the client
+    # read it late), and the stream over once its 6 frames were: RTF 5 ms / 80 ms per frame
+    assert 5.0 <= fig["ttfa_ms"] <= frames * 5.0 and 1 <= fig["chunks"] <= 3
+    assert fig["rtf"] == pytest.approx(0.005 / 0.08, abs=1e-3)  # faster than real time...
     # ...with >= 70 ms to spare on every chunk (a chunk takes 5 ms per frame to make while the
     # one before it, no smaller, plays 80 ms per frame): a player never starves
     assert fig["underruns"] == 0 and fig["underrun_s"] == 0.0

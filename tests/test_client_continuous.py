@@ -53,18 +53,29 @@ def test_pieces_with_pauses_speak_the_whole_text_and_report_the_waits(url, whole
     pieces = llm_pieces(TEXT)
     assert "".join(pieces) == TEXT
     got: list[np.ndarray] = []
+    first_audio = asyncio.Event()
+
+    def on_chunk(block: np.ndarray) -> None:
+        got.append(block)
+        first_audio.set()
 
     async def llm():
         for i, p in enumerate(pieces):
+            if i == len(pieces) - 1:  # the last piece only once audio came: ordering
+                try:
+                    await asyncio.wait_for(first_audio.wait(), 60)  # a liveness bound
+                except asyncio.TimeoutError:
+                    raise AssertionError("no audio while the text was still being written "
+                                         f"({i} of {len(pieces)} pieces sent)") from None
             # a writer that stalls twice for longer than the spoken backlog lasts
             await asyncio.sleep(1.0 if i in (3, 9) else 0.02)
             yield p
 
-    res = run_async(speak_continuous(url, llm(), on_chunk=got.append, **OPTS), timeout=120)
+    res = run_async(speak_continuous(url, llm(), on_chunk=on_chunk, **OPTS), timeout=120)
     same_speech(res.pcm, whole.pcm)
     assert np.array_equal(np.concatenate(got), res.pcm)
     assert res.pieces == len(pieces) and len(res.utterances) == 1
-    # the audio began while the text was still being written (the first stall is 1 s long)
+    # the audio began while the text was still being written
     assert res.first_audio_at < res.last_text_at
     assert 0 < res.first_audio_after_text_s == pytest.approx(res.ttfa_s)
     kinds = [w["type"] for w in res.waits]

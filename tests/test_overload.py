@@ -44,10 +44,15 @@ def _close_pcm(a: bytes, b: bytes) -> bool:
     return len(x) == len(y) and (len(x) == 0 or int(np.abs(x.astype(int) - y.astype(int)).max()) <= 1)
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, bytes, float]:
+async def _post(s: aiohttp.ClientSession, url: str, body: dict, answered: list[int] | None = None
+                ) -> tuple[int, dict, bytes, float]:
+    """(status, headers, body, seconds to the whole answer); the status is appended to
+    ``answered`` when the answer is complete (the order in which the requests were answered)."""
     t = time.perf_counter()
     async with s.post(url + "/v1/audio/speech", json=body) as r:
         data = await r.read()
+        if answered is not None:
+            answered.append(r.status)
         return r.status, CIMultiDict(r.headers), data, time.perf_counter() - t
 
 
@@ -67,8 +72,10 @@ def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny
                 segments = _our_segments() - before
                 # one of these takes the queue's only place and waits out its deadline; the
                 # other two find the queue full
-                others = await asyncio.gather(*(_post(s, url, dict(LONG, seed=i))
+                answered: list[int] = []
+                others = await asyncio.gather(*(_post(s, url, dict(LONG, seed=i), answered)
                                                 for i in (1, 2, 3)))
+                still_running = backend.stats()["active_streams"] == 1
                 running = await r.read()
             for _ in range(100):  # the slot is released when the handler leaves the stream
                 stats = backend.stats()
@@ -76,11 +83,18 @@ def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny
                     break
                 await asyncio.sleep(0.02)
             alone = await _post(s, url, LONG)
-            return segments, head + running, others, stats, alone, backend.stats()
+            return (segments, head + running, others, stats, alone, backend.stats(), answered,
+                    still_running)
 
-    segments, running, others, idle, alone, final = run_async(main(), timeout=300)
+    (segments, running, others, idle, alone, final, answered,
+     still_running) = run_async(main(), timeout=300)
 
     assert sorted(o[0] for o in others) == [429, 429, 503], [(o[0], o[2][:200]) for o in others]
+    # ordering, not timing: both 429s were answered while the third request still waited in
+    # the queue (refused at once), and the 503 came while the stream holding the slot still
+    # ran (it waited out its own deadline, not the slot)
+    assert answered == [429, 429, 503], answered
+    assert still_running
     for status, headers, body, elapsed in others:
         doc = json.loads(body)
         assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
@@ -88,10 +102,10 @@ def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny
         assert int(headers["Retry-After"]) >= 1  # whole seconds, as HTTP wants
         if status == 429:
             assert (err["type"], err["code"]) == ("rate_limit_error", "server_busy")
-            assert elapsed < QUEUE_TIMEOUT_S, elapsed  # refused at once, not after waiting
         else:
             assert (err["type"], err["code"]) == ("server_error", "queue_timeout")
-            assert elapsed >= QUEUE_TIMEOUT_S, elapsed  # it did wait out its deadline
+            # a lower bound, which no load can break: it did wait out its deadline
+            assert elapsed >= QUEUE_TIMEOUT_S, elapsed
     assert len(running) == LONG["max_new_tokens"] * FRAME_BYTES
     assert alone[0] == 200 and _close_pcm(running, alone[2])  # the overload changed nothing
     assert (idle["active_streams"], idle["slots_free"], idle["queue_depth"]) == (0, 1, 0)

@@ -284,7 +284,9 @@ def _retry_after(headers: dict) -> int:
 def test_queue_full_gives_429_at_once_with_retry_after_and_running_stream_is_unharmed():
     backend = FakeBackend(max_streams=1, max_queue=0, queue_timeout=5.0, frame_delay=0.01)
     first, (status, headers, body), waited, stats = arun(_overload(backend))
-    assert status == 429 and waited < 2.0, (status, waited)  # refused at once, not after 5 s
+    # refused at once: before its 5 s queue deadline could pass (ordering, not a latency
+    # bound), because the queue was full (admission_rejected_queue_full below)
+    assert status == 429 and waited < backend.queue_timeout, (status, waited)
     _retry_after(headers)
     err = error_of(body)
     assert err["type"] == "rate_limit_error" and err["code"] == "server_busy"

@@ -81,9 +81,13 @@ def test_phase_records_even_when_block_raises(monkeypatch):
 
 
 def test_phase_with_real_clock_measures_a_sleep():
+    t0 = time.perf_counter()
     with stepstats.phase("server.dispatch") as ph:
         time.sleep(0.02)
-    assert 0.02 <= ph.seconds < 2.0  # lower bound is guaranteed; the upper one is just sane
+    outer = time.perf_counter() - t0
+    # the sleep lasts at least 0.02 s, and the phase can only be shorter than the same block
+    # timed around it: bounds that no load can break (seconds, not ns or ms)
+    assert 0.02 <= ph.seconds <= outer, (ph.seconds, outer)
 
 
 def test_record_ns_and_bad_values():
