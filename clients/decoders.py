@@ -119,7 +119,7 @@ class TorchDecoder(FrameDecoder):
 
     def _use(self, dtype: str) -> None:
         from omni_stream.checkpoints.io import load_codec
-        from omni_stream.engine.cpu.onednn import pin_decode_isa
+        from omni_stream.models.onednn import pin_decode_isa
         from omni_stream.stages.codec_stage import stage_kernels
 
         if dtype == "bfloat16":

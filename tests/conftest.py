@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_stream.engine.cpu.onednn import pin_decode_isa
+from omni_stream.models.onednn import pin_decode_isa
 from lanes import LANES, STARTS, Guard, Reader, StartsAProcess, item_lanes
 
 # The client decoders run inside this process in the tests; a client process pins oneDNN's
 # level before its bf16 decode (``TorchDecoder``), which only takes before the process's first
-# oneDNN call: pin it here, first, as the codec stage does (engine/cpu/onednn.py).
+# oneDNN call: pin it here, first, as the codec stage does (models/onednn.py).
 pin_decode_isa()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from omni_stream.engine.cpu.onednn import decode_invariant, pin_decode_isa
+from omni_stream.models.onednn import decode_invariant, pin_decode_isa
 
 level = pin_decode_isa()  # first: before any oneDNN call in this process
 

@@ -310,7 +310,7 @@ def test_a_part_in_bf16_streams_beside_an_fp32_state(codes, part) -> None:
 
 def _isa_levels() -> list[str]:
     """No cap (what a server runs) and every oneDNN level from AVX2 up that this CPU runs."""
-    from omni_stream.engine.cpu.onednn import LEVELS, cpu_flags, supported_levels
+    from omni_stream.models.onednn import LEVELS, cpu_flags, supported_levels
 
     have = supported_levels(cpu_flags())
     return ["DEFAULT"] + [lv for lv in have if LEVELS.index(lv) >= LEVELS.index("AVX2")]
@@ -330,7 +330,7 @@ def test_codec_stage_kernels_give_one_stream_the_same_bits_for_any_chunks_and_ba
     linear); a level where the code claims the guarantee must keep it, and one where it does
     not is skipped with that reason."""
     pytest.importorskip("omni_stream.engine.cpu.native")
-    from omni_stream.engine.cpu.onednn import DECODE_LEVEL, ENV, cpu_flags, supported_levels
+    from omni_stream.models.onednn import DECODE_LEVEL, ENV, cpu_flags, supported_levels
 
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if level != "DEFAULT":
@@ -343,7 +343,7 @@ def test_codec_stage_kernels_give_one_stream_the_same_bits_for_any_chunks_and_ba
         assert got["level"] == DECODE_LEVEL and got["claim"], got
     if not got["claim"]:
         pytest.skip(f"oneDNN at {got['level']}: the bf16 decode is not chunk-plan invariant "
-                    f"there (packed weights: {got['packed']}; engine/cpu/onednn.py)")
+                    f"there (packed weights: {got['packed']}; models/onednn.py)")
     assert got["packed"], got
     assert got["plans"] and all(got["plans"].values()), got
 

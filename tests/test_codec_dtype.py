@@ -63,11 +63,11 @@ def test_one_audio_for_any_chunk_plan(which, request):
     boundary moves too) give the same samples: to 1 LSB from the fp32 codec, bit for bit from
     the bf16 one (its kernels compute each value alike at any chunk length;
     tests/test_code2wav.py checks that at the released widths)."""
-    from omni_stream.engine.cpu.onednn import current_level, decode_invariant
+    from omni_stream.models.onednn import current_level, decode_invariant
 
     if which == "bf16_server" and not decode_invariant(current_level()):
         pytest.skip(f"oneDNN runs at {current_level()} here: the bf16 decode is not chunk-plan "
-                    "invariant at that level (engine/cpu/onednn.py)")
+                    "invariant at that level (models/onednn.py)")
     url = request.getfixturevalue(which)
     a, b = _pcm(url, initial_codec_chunk_frames=1), _pcm(url, initial_codec_chunk_frames=3)
     assert len(a) == len(b) > 0 and len(a) % 1920 == 0

@@ -1,11 +1,11 @@
-"""oneDNN's ISA level (engine/cpu/onednn.py): read from CPU flags, lowered by a cap, and pinned
+"""oneDNN's ISA level (models/onednn.py): read from CPU flags, lowered by a cap, and pinned
 for the bf16 streaming decode. Pure functions over flag sets of machines this project meets."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni_stream.engine.cpu import onednn as isa
+from omni_stream.models import onednn as isa
 
 AVX2 = {"sse4_1", "avx", "avx2", "fma"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}

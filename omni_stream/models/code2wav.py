@@ -12,7 +12,7 @@ every streaming product treats a frame's rows alike whatever else the call holds
 attends its own window in a product of fixed shape, the quantizer projects row by row, the
 Snake kernel has no scalar tail), so in bf16 a request does not sound different by timing.
 That holds where oneDNN runs at ``AVX512_CORE_BF16`` (its AMX and its emulated-bf16 kernels
-round by row count): a process pins that level first (``engine.cpu.onednn.pin_decode_isa``).
+round by row count): a process pins that level first (``models.onednn.pin_decode_isa``).
 
 Parameter names equal the official ``Qwen3TTSTokenizerV2Decoder`` state_dict keys with the
 ``decoder.`` prefix stripped, so a checkpoint loads strictly (``load_state_dict(sd, strict=True)``).

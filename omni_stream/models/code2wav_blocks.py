@@ -110,7 +110,7 @@ DEFAULT_GEMM_MIN_CHANNELS = 768
 def onednn_packing_available(w: Tensor) -> bool:
     """oneDNN's prepacked bf16 kernels apply: a CPU bf16 weight, a torch built with them and an
     ISA level (the CPU's, under any ``ONEDNN_MAX_CPU_ISA`` cap) that has them."""
-    from omni_stream.engine.cpu.onednn import current_level, packing_available
+    from omni_stream.models.onednn import current_level, packing_available
 
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omni_stream.engine.cpu.onednn import pin_decode_isa
+from omni_stream.models.onednn import pin_decode_isa
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
