@@ -110,8 +110,10 @@ def _check_session(ev: dict, decoder: FrameDecoder) -> list[str]:
     dtype, here = codec.get("decode_dtype", "float32"), getattr(decoder, "dtype", "float32")
     if dtype != here:
         closer = " (this side is the closer one to the fp32 reference)" if here == "float32" else ""
+        fix = decoder.dtype_fix(dtype)
         return [f"the server decodes in {dtype} and the {decoder.name} decoder here in {here}: "
-                f"the audio differs from --decoder-backend server by that rounding{closer}"]
+                f"the audio differs from --decoder-backend server by that rounding{closer}"
+                + (f"; {fix}" if fix else "")]
     return []
 
 

@@ -57,6 +57,11 @@ class FrameDecoder:
         except ManifestError as e:
             raise DecoderError(str(e)) from None
 
+    def dtype_fix(self, server_dtype: str) -> str:
+        """How to get the server's samples when it decodes in ``server_dtype`` and this decoder
+        in another dtype ("" when there is nothing to add to the client's note)."""
+        return ""
+
     def reset(self) -> None:
         """Start a new stream (the next frames are frame 0 of an utterance)."""
         raise NotImplementedError
@@ -117,6 +122,9 @@ class TorchDecoder(FrameDecoder):
             self._use(want)
             self.reset()
 
+    def dtype_fix(self, server_dtype: str) -> str:
+        return "--decoder-dtype auto decodes as the server does" if self.choice != "auto" else ""
+
     def _use(self, dtype: str) -> None:
         from omni_stream.checkpoints.io import load_codec
         from omni_stream.models.onednn import pin_decode_isa
@@ -158,6 +166,7 @@ class ProgramDecoder(FrameDecoder):
         except ManifestError as e:
             raise DecoderError(str(e)) from e
         self.name = {"pte": "executorch"}.get(m.format, m.format)
+        self.dtype = m.dtype  # what the program computes in (export-decoder writes fp32)
         self.identity = m.codec
         self.source = str(m.path)
         self.max_chunk = m.max_chunk_frames
@@ -169,6 +178,19 @@ class ProgramDecoder(FrameDecoder):
             self.manifest.check_against(announced, server_model)
         except ManifestError as e:
             raise DecoderError(str(e)) from None
+
+    def dtype_fix(self, server_dtype: str) -> str:
+        """An exported program decodes in fp32, and no fp32 program reproduces a bf16 decode: the
+        bf16 decode turns any difference in one rounding into ~30 dB over the next frames (even
+        a program that rounds to bf16 where the server rounds lands 31-32 dB away at the released
+        widths; benchmarks/tts/results/decoder_export_bench.md). Only the codec stage's own
+        kernels give its samples."""
+        if server_dtype != "bfloat16":
+            return ""
+        return ("no exported program reproduces a bf16 decode (it turns any rounding difference "
+                "into ~30 dB): for the server's samples use --decoder-backend torch --codec-model "
+                "<the server's checkpoint> on the same kind of CPU, or a server run with "
+                "--codec-dtype fp32")
 
     def reset(self) -> None:
         self.state = [torch.zeros(s.shape, dtype=self._dtypes[s.dtype]) for s in self.manifest.state]

@@ -239,7 +239,8 @@ def test_decoder_rejects_frames_of_another_codec(pte_manifest):
 
 def test_server_decoding_in_bf16_is_noted_not_refused(pte_manifest, tiny_ckpt, tmp_path, capsys):
     """Same codec, but the server decodes in bf16: the client decodes (fp32) and says why its
-    audio will not equal --decoder-backend server's."""
+    audio will not equal --decoder-backend server's, and what gives the server's samples (no
+    fp32 program can: the bf16 decode turns any rounding difference into ~30 dB)."""
     from omni_stream.server.fake_backend import FakeBackend
 
     backend = FakeBackend(model_name="qwen3-tts")
@@ -251,5 +252,19 @@ def test_server_decoding_in_bf16_is_noted_not_refused(pte_manifest, tiny_ckpt, t
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "note: the server decodes in bfloat16" in err
+    assert "--decoder-backend torch --codec-model" in err and "--codec-dtype fp32" in err
     data, sr = sf.read(out, dtype="int16")
     assert sr == 24000 and len(data) > 0 and len(data) % 1920 == 0
+
+
+def test_decoders_name_the_way_to_the_servers_samples(pte_manifest, tiny_ckpt):
+    """Against a bf16 server an exported (fp32) program cannot give the server's samples and
+    says what can; the torch decoder forced to fp32 names --decoder-dtype auto; against an
+    fp32 server there is nothing to add."""
+    prog = ProgramDecoder(pte_manifest)
+    assert prog.dtype == "float32"
+    assert "--decoder-backend torch" in prog.dtype_fix("bfloat16")
+    assert "--codec-dtype fp32" in prog.dtype_fix("bfloat16")
+    assert prog.dtype_fix("float32") == ""
+    assert "--decoder-dtype auto" in TorchDecoder(tiny_ckpt, dtype="float32").dtype_fix("bfloat16")
+    assert TorchDecoder(tiny_ckpt).dtype_fix("bfloat16") == ""
