@@ -311,6 +311,31 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
             torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_gfni_unpacking_gives_the_same_products_bit_for_bit(tmp_path):
+    """Where the CPU has GFNI, q5 and q6 move their top bits with one affine byte map each
+    (fewer ops on the ports VPDPBUSD uses); the weights they unpack, hence the products, are
+    those of the shift-and-mask build, bit for bit."""
+    from omni_stream.engine.cpu.build import FLAGS, _cpu_flags, build
+
+    if "gfni" not in _cpu_flags().split() or native._lib().oc_has_vnni() == 0:
+        pytest.skip("no GFNI (or no VNNI kernels) on this CPU")
+    plain = native._lib(str(build(tmp_path / "libnogfni.so", FLAGS + ("-mno-gfni",))))
+    fast, slow = native.Pool(1), native.Pool(1, lib=plain)
+    gen = torch.Generator().manual_seed(11)
+    for kind in ("q5", "q6"):
+        for n, k, m in ((16, 64, 1), (48, 192, 5), (64, 1024, 9)):
+            w = torch.randn(n, k, generator=gen)
+            w[0, :7] = torch.tensor([1e3, -1e3, 0.0, 1e-30, -1e-30, 3.0, -3.0])  # range edges
+            pk = native.pack_weight(w, None, kind)
+            x = torch.randn(m, k, generator=gen)
+            ys = []
+            for p in (fast, slow):
+                y = torch.empty(m, n)
+                p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
+                ys.append(y)
+            assert torch.equal(ys[0].view(torch.int32), ys[1].view(torch.int32)), (kind, n, k, m)
+
+
 def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):
     """Where the CPU has AMX, q4 products of >= 16 rows run on int8 tiles: the same integer sums
     and the same float epilogue as the VNNI kernel, so the same bits, at any row count (whole

@@ -128,6 +128,19 @@ void q4_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_
 template <int BITS>
 constexpr int step_bytes() { return BITS == 8 ? 256 : BITS == 6 ? 192 : 160; }
 
+#if defined(__GFNI__)
+// GF2P8AFFINEQB matrices (one per qword lane): output bit i of a byte is the parity of the
+// byte ANDed with matrix byte 7 - i. q6: bits 2u, 2u + 1 to bits 4, 5 (matrix bytes 3 and 2).
+constexpr long long kTop6[4] = {(1LL << 24) | (2LL << 16), (4LL << 24) | (8LL << 16),
+                                (16LL << 24) | (32LL << 16), (64LL << 24) | (128LL << 16)};
+// q5, top bit u of a lane: bit u of its byte in the low half (qwords 0-3), bit 4 + u in the
+// high half (qwords 4-7), to bit 4 (matrix byte 3)
+inline __m512i top5(int u) {
+  const long long lo = (1LL << u) << 24, hi = (1LL << (4 + u)) << 24;
+  return _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo);
+}
+#endif
+
 template <int MT, int BITS>
 void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32_t* gsum, int nb,
                float* y, int ldy) {
@@ -158,6 +171,28 @@ void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32
         w1 = r1;
         w2 = _mm512_loadu_si512((const void*)(tp + 128));
         w3 = _mm512_loadu_si512((const void*)(tp + 192));
+#if defined(__GFNI__)
+      } else if constexpr (BITS == 6) {
+        // the top bits by one GF(2) affine map each (bits 2u, 2u + 1 of c to bits 4, 5), merged
+        // with the nibble in one ternary op ((a & lo4) | g): the same bytes as below
+        __m512i c = _mm512_loadu_si512((const void*)(tp + 128));
+        __m512i s1 = _mm512_srli_epi16(r0, 4), s3 = _mm512_srli_epi16(r1, 4);
+        w0 = _mm512_ternarylogic_epi32(r0, _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(kTop6[0]), 0), lo4, 0xEC);
+        w1 = _mm512_ternarylogic_epi32(s1, _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(kTop6[1]), 0), lo4, 0xEC);
+        w2 = _mm512_ternarylogic_epi32(r1, _mm512_and_si512(c, top), lo4, 0xEC);
+        w3 = _mm512_ternarylogic_epi32(s3, _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(kTop6[3]), 0), lo4, 0xEC);
+      } else {
+        // q5: both halves of the 32 top-bit bytes in one broadcast; lane p < 32 takes bit u of
+        // byte p, lane p >= 32 bit 4 + u of byte p - 32: a GF(2) affine map per half moves it
+        // to bit 4
+        __m512i bb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(tp + 128)));
+        __m512i s1 = _mm512_srli_epi16(r0, 4), s3 = _mm512_srli_epi16(r1, 4);
+        w0 = _mm512_ternarylogic_epi32(r0, _mm512_gf2p8affine_epi64_epi8(bb, top5(0), 0), lo4, 0xEC);
+        w1 = _mm512_ternarylogic_epi32(s1, _mm512_gf2p8affine_epi64_epi8(bb, top5(1), 0), lo4, 0xEC);
+        w2 = _mm512_ternarylogic_epi32(r1, _mm512_gf2p8affine_epi64_epi8(bb, top5(2), 0), lo4, 0xEC);
+        w3 = _mm512_ternarylogic_epi32(s3, _mm512_gf2p8affine_epi64_epi8(bb, top5(3), 0), lo4, 0xEC);
+      }
+#else
       } else if constexpr (BITS == 6) {
         __m512i n0 = _mm512_and_si512(r0, lo4), n1 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), lo4);
         __m512i n2 = _mm512_and_si512(r1, lo4), n3 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), lo4);
@@ -178,6 +213,7 @@ void q56_block(const OcLinear& L, const int8_t* x8, const float* xs, const int32
         w2 = _mm512_or_si512(n2, _mm512_and_si512(_mm512_slli_epi16(e, 2), top));
         w3 = _mm512_or_si512(n3, _mm512_and_si512(_mm512_slli_epi16(e, 1), top));
       }
+#endif
       dot4<MT, A>(iacc, w0, w1, w2, w3, x8, k, j * 64 + t * 16);
     }
     __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sb + j * 32)));
