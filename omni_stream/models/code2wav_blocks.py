@@ -294,8 +294,8 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:  # [B, C, T]
-        h = self.conv1(self.act1(x), step)
-        return x + self.conv2(self.act2(h))
+        h = self.conv1(self.act1(x, step), step)
+        return x + self.conv2(self.act2(h, step), step)
 
 
 class DecoderBlock(nn.Module):
