@@ -8,9 +8,9 @@ import math
 import pytest
 
 from omni_stream.scheduling import AdmissionController
-from omni_stream.scheduling.capacity import (FRAME_S, MAX_HOLDBACK_S, CapacityTracker,
-                                             CostCache, MachineCosts, capacity, chunk_policy,
-                                             holdback_s)
+from omni_stream.scheduling.capacity import (FRAME_S, MAX_HOLDBACK_S, CostCache, MachineCosts,
+                                             capacity, chunk_policy, holdback_s)
+from omni_stream.scheduling.tracker import CapacityTracker
 from omni_stream.scheduling.chunking import ChunkPolicy
 
 

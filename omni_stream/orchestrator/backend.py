@@ -14,7 +14,10 @@ BackendError, never a hang.
 What a frame costs here (``orchestrator.costs``: cached per deployment, else measured at start)
 sets how many streams are admitted at once, the chunk schedule, the prefill throttle's starting
 costs and, where even one stream is slower than real time, how long a stream's first audio is
-held back; the streams' own chunk arrivals keep it current (``scheduling.CapacityTracker``).
+held back; the streams' chunk arrivals past their ramp keep it current
+(``scheduling.tracker``), and when capacity moves the log names the part of a frame step that
+moved it
+(``scheduling.attribution``, counters read by ``orchestrator.meter``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from typing import AsyncGenerator
 
 from omni_stream.checkpoints.io import read_config
@@ -37,13 +41,15 @@ from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
 from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
-from omni_stream.scheduling.capacity import (DEFAULT_MARGIN, CapacityTracker, MachineCosts,
-                                             advice, chunk_policy, format_costs, holdback_s)
+from omni_stream.scheduling.attribution import PartCounters, parts_per_step
+from omni_stream.scheduling.capacity import (DEFAULT_MARGIN, MachineCosts, advice, chunk_policy,
+                                             format_costs, holdback_s)
+from omni_stream.scheduling.tracker import CapacityTracker, StreamPace
 from omni_stream.scheduling.limits import stream_frame_cap
 from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
                                    CloneSpec, CostUpdate, FailReason, Flags, Message, MsgKind,
-                                   PromptSpec, StatsReply, cleanup_stale)
+                                   PromptSpec, StatsReply, StatsRequest, cleanup_stale)
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +61,18 @@ HOLD_FRAMES_PER_TOKEN = 6
 
 
 class _Stream:
-    __slots__ = ("sid", "queue", "loop", "done", "last_t", "chunks", "paused", "probe")
+    __slots__ = ("sid", "queue", "loop", "done", "pace", "probe")
 
-    def __init__(self, sid: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, sid: int, loop: asyncio.AbstractEventLoop, steady: int,
+                 probe: list | None = None) -> None:
         self.sid = sid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
         self.done = False
-        self.last_t: float | None = None  # arrival of its previous chunk (the live cost samples)
-        self.chunks = 0
-        self.paused = False  # waited for its text since the previous chunk: no cost sample
-        self.probe = False  # a cost probe: measures the parts, does not feed the live estimate
+        self.pace = StreamPace(steady)  # its pace samples (the live cost estimate)
+        # a cost probe: its samples (streams, seconds per frame, frames) go here, not to the
+        # tracker
+        self.probe = probe
 
 
 class PipelineBackend:
@@ -98,7 +105,9 @@ class PipelineBackend:
         self.tracker: CapacityTracker | None = None
         self.margin = DEFAULT_MARGIN
         self._measuring = None  # (talker future, codec future) while the stages are timed
-        self._measure_request = 7_000_000  # request ids of MeasureCosts
+        self._measure_request = 7_000_000  # request ids of MeasureCosts and StatsRequests
+        self._replies: dict[int, asyncio.Future] = {}  # requests waiting for the talker
+        self._counters: deque[PartCounters] = deque(maxlen=128)  # while serving, ~1 per second
         self._tracking: asyncio.Task | None = None
         self.costs_cached = False  # the costs came from the cache (else measured at start)
         self.sup = Supervisor(settings, self._on_audio, self._on_lost, self._on_reply)
@@ -224,8 +233,16 @@ class PipelineBackend:
             t0 = time.perf_counter()
             parts = await oc.measure_parts(self)
             self._apply_costs(parts)  # the probe streams run with the parts' chunk schedule
-            observed = await oc.probe_widths(self, parts, self.schedule.steady, self.margin)
-            costs = parts.with_observed(observed)
+            for attempt in range(2):  # ... and again if what they saw moves the schedule
+                ran = self.schedule
+                observed, where = await oc.probe_widths(self, parts, ran, self.margin)
+                self._apply_costs(parts.with_observed(observed, where))
+                if self.schedule == ran:
+                    break
+                log.info("the probes moved the chunk schedule (%s -> %s): %s", ran.to_dict(),
+                         self.schedule.to_dict(), "probing again with it" if attempt == 0 else
+                         "serving with the one they measured (a machine at the margin's edge)")
+            costs = parts.with_observed(observed, where, schedule=ran)
             log.info("machine costs measured in %.1f s%s", time.perf_counter() - t0,
                      " (emulated, not cached)" if costs.emulated else
                      f" (cached at {self._cost_cache.path})")
@@ -244,8 +261,9 @@ class PipelineBackend:
 
     def _apply_costs(self, costs: MachineCosts) -> None:
         self.costs = costs
-        if not (self.s.schedule_fixed or self.s.schedule_calibrated):
-            self.schedule = chunk_policy(costs, self.s.schedule, margin=self.margin)
+        if not (self.s.schedule_fixed or self.s.schedule_calibrated):  # what the probes ran
+            self.schedule = costs.probe_schedule or chunk_policy(costs, self.s.schedule,
+                                                                 margin=self.margin)
         self.tracker = CapacityTracker(costs, slots=self.s.max_streams,
                                        steady=self.schedule.steady, margin=self.margin)
         assert self.adm is not None
@@ -259,19 +277,63 @@ class PipelineBackend:
             except (ChannelClosed, OSError):
                 pass
 
-    async def _track(self, period_s: float = 0.5) -> None:
-        """Capacity follows the streams' own frame costs (``CapacityTracker``)."""
+    async def _track(self, period_s: float = 0.5, meter_s: float = 1.0) -> None:
+        """Capacity follows the streams' own frame costs (``CapacityTracker``); the part
+        counters are read every ``meter_s`` while streams run, so that a change of capacity
+        can say which part of the frame step moved it."""
+        last_meter = -meter_s
         while True:
             await asyncio.sleep(period_s)
             t = self.tracker
             if t is None or self.adm is None:
                 continue
+            now = time.monotonic()
+            if now - last_meter >= meter_s and (self._streams or not self._counters):
+                last_meter = now
+                c = await self.part_counters(timeout_s=meter_s)
+                if c is not None:
+                    self._counters.append(c)
             before = t.current
             if t.update(time.monotonic()):
                 self.adm.set_capacity(t.current.streams)
-                log.warning("capacity %d -> %d stream(s): wall time per frame is %.2fx what "
-                            "was measured at start-up (RTF estimate %.2f)", before.streams,
-                            t.current.streams, t.contention, t.rtf_estimate())
+                log.warning("%s", t.explain(before, self.live_parts(t.window_s)))
+            elif t.current.realtime != before.realtime:  # one stream, now held back or not
+                log.log(logging.INFO if t.current.realtime else logging.WARNING, "%s",
+                        t.explain(before, self.live_parts(t.window_s)))
+
+    async def part_counters(self, timeout_s: float = 2.0) -> PartCounters | None:
+        """The pipeline's part counters now (``orchestrator.meter``): the talker's step-timing
+        sums (a StatsRequest) and the CPU times; None when the talker does not answer."""
+        from omni_stream.orchestrator import meter
+
+        pipe = self.sup.pipe
+        if pipe is None:
+            return None
+        self._measure_request += 1
+        rid = self._measure_request
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        try:
+            pipe.send(StatsRequest(request_id=rid))
+            talker = await asyncio.wait_for(fut, timeout_s)
+        except (asyncio.TimeoutError, ChannelClosed, OSError):
+            return None
+        finally:
+            self._replies.pop(rid, None)
+        cpus = {c for v in self.s.cpu_sets.values() for c in v} or None
+        return meter.counters(time.monotonic(), talker, pipe.codec.pid,
+                              [p.pid for p in pipe.procs], cpus)
+
+    def live_parts(self, window_s: float) -> dict[str, float] | None:
+        """Seconds per frame step by part over about the last ``window_s`` of serving."""
+        if len(self._counters) < 2:
+            return None
+        last = self._counters[-1]
+        first = next((c for c in self._counters if c.t >= last.t - window_s - 0.5),
+                     self._counters[0])
+        if first is last:
+            first = self._counters[-2]
+        return parts_per_step(first, last)
 
     def begin_shutdown(self) -> None:
         """The server is going down: stage exits from now on are not crashes to recover from."""
@@ -361,8 +423,12 @@ class PipelineBackend:
             return max_frames
         return min(max_frames, HOLD_BASE_FRAMES + HOLD_FRAMES_PER_TOKEN * max(0, text_tokens))
 
-    async def stream(self, job: SpeechJob, probe: bool = False) -> AsyncGenerator[AudioChunk, None]:
-        """``probe``: an internal cost-probe stream (no hold-back, no cost samples)."""
+    async def stream(self, job: SpeechJob,
+                     probe: list | None = None) -> AsyncGenerator[AudioChunk, None]:
+        """``probe``: an internal cost-probe stream (no admission, no hold-back); its pace
+        samples, (streams running, seconds per frame, frames), are appended to that list
+        instead of feeding the capacity tracker (``orchestrator.costs``)."""
+        is_probe = probe is not None
         self.validate(job)
         if self.sup.pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
@@ -382,30 +448,29 @@ class PipelineBackend:
                                f"max_new_tokens ({max_frames}) exceed the {self.s.max_seq_len} "
                                "positions of a stream: shorten the input or lower max_new_tokens",
                                param="max_new_tokens")
-        sid = next(self._probe_ids if probe else self._ids)
+        sid = next(self._probe_ids if is_probe else self._ids)
         t_wait = time.perf_counter()
         try:  # the start-up cost probes run before any client: no admission for them
-            if not probe:
+            if not is_probe:
                 await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
                                        self.s.queue_timeout_s)
         except Rejected as r:
             raise BackendError.from_rejected(r) from None
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
-        hold = 0.0 if probe else self.holdback_for(
+        hold = 0.0 if is_probe else self.holdback_for(
             self.expected_frames(job, text_tokens, max_frames), self.adm.admitted_count)
-        st = _Stream(sid, asyncio.get_running_loop())
-        st.paused = st.probe = probe
+        chunk = self.schedule
+        if job.initial_chunk_frames:
+            chunk = chunk.starting_at(job.initial_chunk_frames)
+        if hold > 0:
+            chunk = chunk.held(hold)
+        st = _Stream(sid, asyncio.get_running_loop(), chunk.steady, probe)
         self._streams[sid] = st
         forwarder = None
         pipe = self.sup.pipe
         try:
             if pipe is None:
                 raise BackendError(503, "unavailable", "the model pipeline is restarting", retry_after=2)
-            chunk = self.schedule
-            if job.initial_chunk_frames:
-                chunk = chunk.starting_at(job.initial_chunk_frames)
-            if hold > 0:
-                chunk = chunk.held(hold)
             seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
             instructions = job.instructions if self.supports_instructions else None
             msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames, chunk=chunk,
@@ -471,14 +536,14 @@ class PipelineBackend:
                 end = bool(m.flags & Flags.END)
                 if end:
                     st.done = True
-                    self._completed += not probe
+                    self._completed += not is_probe
                     yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n, final=True,
                                      input_tokens=int(m.aux), output_frames=total,
                                      finish_reason="length" if m.flags & Flags.LENGTH else "stop")
                     return
                 yield AudioChunk(pcm=chunk_pcm, codes=chunk_codes, frames=n)
         except BackendError:
-            self._failed += not probe
+            self._failed += not is_probe
             raise
         finally:
             if forwarder is not None:
@@ -489,7 +554,7 @@ class PipelineBackend:
                     pipe.send(CancelStream(stream_id=sid, reason="client gone"))
                 except (ChannelClosed, OSError):
                     pass
-            if not probe:
+            if not is_probe:
                 self.adm.release(sid)
 
     # ------------------------------------------------------------------ from the supervisor
@@ -510,23 +575,22 @@ class PipelineBackend:
         n = len(m.payload) if m.kind == MsgKind.CODES and m.payload is not None else \
             (len(m.payload) // self.cfg.code2wav.samples_per_frame if m.kind == MsgKind.PCM else 0)
         if m.kind == MsgKind.EVENT and m.flags & Flags.WAIT:
-            st.paused = True
-        if n:
-            t = m.get_ns / 1e9
-            st.chunks += 1
+            st.pace.skip_next()  # the gap over a wait for text is not the pipeline's pace
+        if n:  # a pace sample once its ramp is over (scheduling.tracker.StreamPace)
+            spf = st.pace.arrived(n, m.get_ns / 1e9, final=bool(m.flags & Flags.END))
             tracker = self.tracker
-            if (st.last_t is not None and not st.paused and st.chunks >= 3
-                    and tracker is not None):  # after its first chunks: the steady pace
-                st.loop.call_soon_threadsafe(tracker.observe, len(self._streams),
-                                             (t - st.last_t) / n, time.monotonic())
-            st.last_t = t
-            st.paused = st.probe  # one gap skipped after a wait for text
+            if spf is not None and st.probe is not None:
+                st.probe.append((len(self._streams), spf, n))
+            elif spf is not None and tracker is not None:
+                st.loop.call_soon_threadsafe(tracker.observe, len(self._streams), spf,
+                                             time.monotonic(), n)
         self._deliver(st, m)
 
     def _on_reply(self, msg: StatsReply) -> None:
-        """A stage's answer to a request (reader thread): the talker's measured costs."""
-        fut = self._measuring[0] if self._measuring else None
-        if fut is not None and msg.request_id == self._measure_request:
+        """A stage's answer to a request (reader thread): the talker's measured costs
+        (``MeasureCosts``) or its stats (``StatsRequest``: the part counters)."""
+        fut = self._replies.get(msg.request_id)
+        if fut is not None:
             fut.get_loop().call_soon_threadsafe(_resolve, fut, dict(msg.stats))
 
     def _on_lost(self, err: BackendError) -> None:

@@ -6,7 +6,7 @@ functions and small classes (see shared/design/architecture.md, "Scheduling poli
 """
 
 from omni_stream.scheduling.admission import AdmissionController, Rejected, Ticket
-from omni_stream.scheduling.capacity import Capacity, CapacityTracker, CostCache, MachineCosts
+from omni_stream.scheduling.capacity import Capacity, CostCache, MachineCosts
 from omni_stream.scheduling.chunking import (ChunkCostFit, ChunkPolicy, calibrate, calibrate_fit,
                                              fit_chunk_costs)
 from omni_stream.scheduling.fingerprint import fingerprint_info, hardware_fingerprint
@@ -15,12 +15,14 @@ from omni_stream.scheduling.kv_budget import (KVBudget, KVCost, KVGeometry,
                                               kv_bytes_per_token, kv_geometry, plan_slots)
 from omni_stream.scheduling.throttle import (Action, Decision, PendingPrefill, PrefillCostModel,
                                              RunningStream, decide_prefill, slack_s)
+from omni_stream.scheduling.tracker import CapacityTracker, StreamPace
 
 __all__ = [
     "Action", "AdmissionController", "Capacity", "CapacityTracker", "ChunkCostFit", "ChunkPolicy",
     "CostCache", "MachineCosts", "calibrate_fit",
     "Decision", "KVBudget", "KVCost", "KVGeometry", "PendingPrefill", "PrefillCostModel",
-    "Rejected", "RunningStream", "Ticket", "calibrate", "code_predictor_scratch_bytes",
-    "decide_prefill", "fingerprint_info", "fit_chunk_costs", "hardware_fingerprint",
-    "kv_budget_for", "kv_bytes_per_token", "kv_geometry", "plan_slots", "slack_s",
+    "Rejected", "RunningStream", "StreamPace", "Ticket", "calibrate",
+    "code_predictor_scratch_bytes", "decide_prefill", "fingerprint_info", "fit_chunk_costs",
+    "hardware_fingerprint", "kv_budget_for", "kv_bytes_per_token", "kv_geometry", "plan_slots",
+    "slack_s",
 ]

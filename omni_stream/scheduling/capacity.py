@@ -12,11 +12,13 @@ The costs are measured once per deployment fingerprint at start-up (``orchestrat
 the talker + code-predictor frame step alone at each batch size, Code2Wav calls per chunk size
 and batch, the prefill, the memory read bandwidth; then probe streams through the real
 pipeline, 1 at a time, then 2, ... until a width misses the margin (or the slots are full),
-give ``observed_s``: the wall time per frame at each width, with everything the parts alone
-do not show (the cores the codec lends the talker, the memory bandwidth both stages share, the
-hops). The running server keeps ``contention``, the ratio of the per-frame times it sees to
-those, current from its own chunk arrivals (``CapacityTracker``): a noisy neighbour raises it,
-capacity follows within seconds, with hysteresis, and never by failing a stream that runs.
+give ``observed_s``: the wall time per frame past the ramp at each width
+(``scheduling.tracker.StreamPace``), with everything the parts alone do not show (the cores
+the codec lends the talker, the memory bandwidth both stages share, the hops, the chunk
+schedule the requests get). The running server keeps ``contention``, the ratio of the
+per-frame times it sees to those, current from its own chunk arrivals
+(``scheduling.tracker``): a noisy neighbour raises it, capacity follows within seconds, with
+hysteresis, and never by failing a stream that runs.
 
 Per-frame wall time with ``n`` streams (every stream gets one frame per step):
 
@@ -41,13 +43,13 @@ import math
 import os
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from omni_stream.scheduling.attribution import LABELS
 from omni_stream.scheduling.chunking import ChunkCostFit, ChunkPolicy, calibrate_fit
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,10 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``i + 1`` streams (empty: the parts' model alone). ``contention`` >= 0: the running
     server's per-frame times over those (1 = as measured at start-up). ``bandwidth_gbs`` /
     ``bandwidth_1t_gbs``: memory read bandwidth with the talker's threads / one thread (0:
-    not measured)."""
+    not measured). ``probe_parts[i]``: where a frame step's time went while the probes ran
+    ``i + 1`` streams (``scheduling.attribution``: seconds per step by part), what a change
+    of capacity is explained against. ``probe_schedule``: the chunk schedule the probes ran,
+    the one the server serves with (None: ``chunk_policy`` of these costs)."""
 
     frame_s: tuple[float, ...]
     observed_s: tuple[float, ...] = ()
@@ -82,6 +87,8 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bandwidth_1t_gbs: float = 0.0
     measured_unix: float = 0.0
     emulated: bool = False  # measured under OMNI_STREAM_EMULATE_COSTS (never cached)
+    probe_parts: tuple[dict[str, float], ...] = ()
+    probe_schedule: ChunkPolicy | None = None
 
     def __post_init__(self) -> None:
         if not self.frame_s:
@@ -93,6 +100,9 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _check_cost(f"frame_s[{i}]", v)
         for i, v in enumerate(self.observed_s):
             _check_cost(f"observed_s[{i}]", v)
+        for i, parts in enumerate(self.probe_parts):
+            for k, v in parts.items():
+                _check_cost(f"probe_parts[{i}][{k!r}]", v)
 
     # ------------------------------------------------------------------ the model
     def talker_s(self, n: int) -> float:
@@ -140,13 +150,27 @@ class MachineCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def with_contention(self, contention: float) -> "MachineCosts":
         return msgspec.structs.replace(self, contention=contention)
 
-    def with_observed(self, observed_s: tuple[float, ...]) -> "MachineCosts":
-        return msgspec.structs.replace(self, observed_s=tuple(observed_s))
+    def with_observed(self, observed_s: tuple[float, ...],
+                      probe_parts: tuple[dict[str, float], ...] | None = None,
+                      schedule: ChunkPolicy | None = None) -> "MachineCosts":
+        parts = self.probe_parts if probe_parts is None else tuple(dict(p) for p in probe_parts)
+        return msgspec.structs.replace(self, observed_s=tuple(observed_s), probe_parts=parts,
+                                       probe_schedule=schedule or self.probe_schedule)
+
+    def parts_at(self, n: int) -> tuple[int, dict[str, float]] | None:
+        """(width, parts) the probes measured at ``n`` streams, or at the widest probed width
+        below it; None when none was measured."""
+        for w in range(min(n, len(self.probe_parts)), 0, -1):
+            if self.probe_parts[w - 1]:
+                return w, self.probe_parts[w - 1]
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         d = msgspec.structs.asdict(self)
         d["frame_s"] = list(self.frame_s)
         d["observed_s"] = list(self.observed_s)
+        d["probe_parts"] = [dict(p) for p in self.probe_parts]
+        d["probe_schedule"] = None if self.probe_schedule is None else self.probe_schedule.to_dict()
         return d
 
 
@@ -230,103 +254,17 @@ def chunk_policy(costs: MachineCosts, base: ChunkPolicy, *, margin: float = DEFA
                          growth=base.growth)
 
 
-# ---------------------------------------------------------------- kept current while serving
-
-
-class CapacityTracker:
-    """Keeps ``contention`` and the capacity current from the server's own per-frame times.
-
-    ``observe(n, seconds_per_frame, now)``: one stream's chunk arrived ``seconds_per_frame``
-    per frame after its previous one while ``n`` streams ran. The contention estimate is the
-    median, over the last ``window_s``, of observed / modelled T(n) (at least ``min_samples``
-    samples), never below ``floor`` (default 1: no faster than measured at start-up).
-    ``update(now)`` moves the
-    capacity: down once the lower value has held for ``down_s``, up once T(capacity + 1)
-    has stayed under (margin - RAISE_BAND) x 80 ms for ``up_s``. Admitted streams are never
-    touched: a lower capacity only stops new admissions until enough streams have ended."""
-
-    def __init__(self, costs: MachineCosts, *, slots: int, kv_streams: int | None = None,
-                 steady: int = 8, margin: float = DEFAULT_MARGIN, window_s: float = 4.0,
-                 min_samples: int = 4, down_s: float = 1.0, up_s: float = 5.0,
-                 floor: float | None = None) -> None:
-        self.costs = costs
-        self.slots, self.kv_streams, self.steady, self.margin = slots, kv_streams, steady, margin
-        self.window_s, self.min_samples, self.down_s, self.up_s = window_s, min_samples, down_s, up_s
-        self.floor = 1.0 if floor is None else floor
-        self.contention = costs.contention
-        self._samples: deque[tuple[float, float]] = deque(maxlen=256)  # (time, ratio)
-        self.current = capacity(costs, slots=slots, kv_streams=kv_streams, steady=steady,
-                                margin=margin)
-        self._lower_since: float | None = None
-        self._raise_since: float | None = None
-        self.changes = 0
-
-    def observe(self, n: int, seconds_per_frame: float, now: float) -> None:
-        if n < 1 or not math.isfinite(seconds_per_frame) or seconds_per_frame < 0:
-            return
-        model = self.costs.frame_time_s(n, self.steady, contention=1.0)
-        if model <= 0 or not math.isfinite(model):
-            return
-        self._samples.append((now, seconds_per_frame / model))
-
-    def _estimate(self, now: float) -> float | None:
-        while self._samples and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        if len(self._samples) < self.min_samples:
-            return None
-        r = sorted(s for _, s in self._samples)
-        m = len(r) // 2
-        med = r[m] if len(r) % 2 else 0.5 * (r[m - 1] + r[m])
-        return max(self.floor, med)
-
-    def update(self, now: float) -> bool:
-        """Re-estimate; True when the capacity changed."""
-        est = self._estimate(now)
-        if est is not None:
-            self.contention = est
-        cand = capacity(self.costs, slots=self.slots, kv_streams=self.kv_streams,
-                        steady=self.steady, margin=self.margin, contention=self.contention)
-        cur = self.current
-        changed = False
-        if cand.streams < cur.streams:
-            self._raise_since = None
-            self._lower_since = now if self._lower_since is None else self._lower_since
-            if now - self._lower_since >= self.down_s:
-                self.current, changed, self._lower_since = cand, True, None
-        elif cand.streams > cur.streams:
-            self._lower_since = None
-            nxt = cur.streams + 1
-            room = (self.margin - RAISE_BAND) * FRAME_S
-            if self.costs.frame_time_s(nxt, self.steady, self.contention) <= room:
-                self._raise_since = now if self._raise_since is None else self._raise_since
-                if now - self._raise_since >= self.up_s:
-                    self.current = Capacity(nxt, True, cand.rtf,
-                                            cand.limit if nxt == cand.streams else "speed")
-                    changed, self._raise_since = True, None
-            else:
-                self._raise_since = None
-            if not changed:
-                self.current = Capacity(cur.streams, cur.realtime, cand.rtf, cur.limit)
-        else:
-            self._lower_since = self._raise_since = None
-            self.current = cand
-        if changed:
-            self.changes += 1
-        return changed
-
-    def rtf_estimate(self) -> float:
-        return self.costs.rtf(1, self.steady, self.contention)
-
-
 # ---------------------------------------------------------------- cache
 
 
 class CostCache:
     """``MachineCosts`` as JSON, one file per deployment fingerprint in ``directory``
     (``costs-<fingerprint>.json``). ``load()`` is None for a missing, unreadable, other-schema
-    or other-fingerprint file (measure again); writes are atomic (temp file + rename)."""
+    or other-fingerprint file (measure again); writes are atomic (temp file + rename).
+    Version 2: probes of the serving schedule measured by ``StreamPace`` (version 1 timed
+    fixed 8-frame chunks: measured again)."""
 
-    VERSION = 1
+    VERSION = 2
 
     def __init__(self, directory: str | os.PathLike, fingerprint: str) -> None:
         self.directory = Path(directory)
@@ -392,6 +330,9 @@ def format_costs(costs: MachineCosts, cap: Capacity, *, steady: int,
         "probe streams, wall time per frame, ms: " + (", ".join(
             f"{i + 1} stream{'s' if i else ''} {ms(v)}" for i, v in enumerate(costs.observed_s))
             or "none ran"),
+        *[f"probe streams, where a frame step's time went at {w + 1} stream{'s' if w else ''}, "
+          "ms: " + ", ".join(f"{LABELS[k]} {ms(v)}" for k, v in parts.items() if k in LABELS)
+          for w, parts in enumerate(costs.probe_parts) if parts],
         f"contention (while serving, over the probes): {costs.contention:.2f}"
         f" ({'codec shares the talker cores' if costs.shared_cores else 'codec on its own cores'})",
         "wall time per frame, ms: " + ", ".join(
@@ -425,5 +366,5 @@ def advice(costs: MachineCosts, *, steady: int, weight_path: str | None, engine:
             + "; ".join(helps))
 
 
-__all__ = ["Capacity", "CapacityTracker", "CostCache", "DEFAULT_MARGIN", "FRAME_S",
-           "MachineCosts", "advice", "capacity", "chunk_policy", "format_costs", "holdback_s"]
+__all__ = ["Capacity", "CostCache", "DEFAULT_MARGIN", "FRAME_S", "MachineCosts", "advice",
+           "capacity", "chunk_policy", "format_costs", "holdback_s"]

@@ -36,6 +36,7 @@ from omni_stream.models.prompt import PromptBuilder, PromptRequest
 from omni_stream.models.voice_clone import VoiceClone
 from omni_stream.engine.sampling import INVALID
 from omni_stream.observability import stepstats
+from omni_stream.scheduling.attribution import talker_phase_sums
 from omni_stream.scheduling.throttle import Action, PrefillCostModel
 from omni_stream.stages.talker_scheduler import (FrameEnd, StreamState, TalkerScheduler,
                                                  ThrottleSettings)
@@ -158,12 +159,14 @@ class TalkerStage:
         if native is not None and native.pool.lease is not None:
             own, borrowed = native.pool.jobs()  # runtime jobs run on its own cores / lent ones
             lent = {"lent_core_jobs": borrowed, "own_core_jobs": own}
+        # the cumulative phase sums the server's part attribution reads (scheduling.attribution)
+        parts = talker_phase_sums(stepstats.snapshot()["phases"])
         return dict(**lent,active=len(sc.decoding()), pending=len(sc.pending), free_slots=sc.free_slots(),
                     steps=self.steps, prefills=self.prefills, failed=self.failed,
                     step_ms_mean=1e3 * self.step_s / max(self.steps, 1),
                     prefill_ms_mean=1e3 * self.prefill_s / max(self.prefills, 1),
                     prefill_ms_per_token=1e3 * sc.cost.per_token_s,
-                    **{f"throttle_{k}": v for k, v in sc.decisions.items()})
+                    **{f"throttle_{k}": v for k, v in sc.decisions.items()}, **parts)
 
     # ------------------------------------------------------------------ events
     def _event(self, stream_id: int, flags: int, payload: np.ndarray | None = None, aux: int = 0) -> None:
