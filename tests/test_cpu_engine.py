@@ -34,6 +34,13 @@ def pool():
     return native.Pool(2)
 
 
+def _product(pool, pk, x: torch.Tensor) -> torch.Tensor:
+    """``x [m, k] @ W.T`` through the runtime's ``oc_linear`` on ``pool`` (its library)."""
+    y = torch.empty(x.shape[0], pk.n)
+    pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
 @pytest.mark.parametrize("kind", ["q4", "q5", "q6", "q8", "q8g", "f32"])
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 def test_products_match_the_weights_they_hold(pool, kind, m):
@@ -43,8 +50,7 @@ def test_products_match_the_weights_they_hold(pool, kind, m):
     b = torch.randn(n, generator=gen)
     pk = native.pack_weight(w, b, kind)
     x = torch.randn(m, k, generator=gen)
-    y = torch.empty(m, n)
-    pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
+    y = _product(pool, pk, x)
     ref = x @ pk.dequantized().T + b
     err = float((y - ref).norm() / ref.norm())
     if kind == "f32":
@@ -70,8 +76,7 @@ def test_shapes_the_layouts_cannot_hold_fall_back_to_exact(pool):
             pk = native.pack_weight(w, None, kind)
             assert pk.struct.kind == native.KINDS["f32"]
             x = torch.randn(2, k, generator=gen)
-            y = torch.empty(2, n)
-            pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), 2, y.data_ptr())
+            y = _product(pool, pk, x)
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
@@ -95,8 +100,7 @@ def test_packing_edges(pool, kind):
     err = float((d[others] - w[others]).abs().max())
     assert err <= {"q4": 0.2, "q5": 0.1, "q6": 0.05, "q8": 0.01, "q8g": 0.01, "f32": 0.0}[kind] * float(w[others].abs().max())
     x = torch.randn(3, k, generator=gen)
-    y = torch.empty(3, n)
-    pool.lib.oc_linear(pool.handle, C.byref(pk.struct), x.data_ptr(), 3, y.data_ptr())
+    y = _product(pool, pk, x)
     assert torch.isfinite(y).all() and torch.equal(y[:, 5], torch.zeros(3))
     for bad in (float("nan"), float("inf"), -float("inf")):
         wb = w.clone()
@@ -303,11 +307,7 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
         for n, k, m in ((16, 64, 1), (32, 128, 3), (48, 192, 9), (16, 320, 17)):
             pk = native.pack_weight(torch.randn(n, k, generator=gen), None, kind)
             x = torch.randn(m, k, generator=gen)
-            ys = []
-            for p in (fast, slow):
-                y = torch.empty(m, n)
-                p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
-                ys.append(y)
+            ys = [_product(p, pk, x) for p in (fast, slow)]
             torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
 
 
@@ -328,11 +328,7 @@ def test_the_gfni_unpacking_gives_the_same_products_bit_for_bit(tmp_path):
             w[0, :7] = torch.tensor([1e3, -1e3, 0.0, 1e-30, -1e-30, 3.0, -3.0])  # range edges
             pk = native.pack_weight(w, None, kind)
             x = torch.randn(m, k, generator=gen)
-            ys = []
-            for p in (fast, slow):
-                y = torch.empty(m, n)
-                p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
-                ys.append(y)
+            ys = [_product(p, pk, x) for p in (fast, slow)]
             assert torch.equal(ys[0].view(torch.int32), ys[1].view(torch.int32)), (kind, n, k, m)
 
 
@@ -352,11 +348,7 @@ def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):
     for m in (15, 16, 17, 40, 64):
         x = torch.randn(m, 320, generator=gen) * 3
         x[m // 2] = 0.0  # an all-zero row (scale 1, sums 0)
-        ys = []
-        for p in (fast, ref):
-            y = torch.empty(m, 80)
-            p.lib.oc_linear(p.handle, C.byref(pk.struct), x.data_ptr(), m, y.data_ptr())
-            ys.append(y)
+        ys = [_product(p, pk, x) for p in (fast, ref)]
         assert torch.equal(ys[0], ys[1]), (m, float((ys[0] - ys[1]).abs().max()))
         ref_y = x @ pk.dequantized().T + b
         assert float((ys[0] - ref_y).norm() / ref_y.norm()) < 3e-2
