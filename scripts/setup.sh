@@ -8,6 +8,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch is pinned to 2.13.0: this machine image carries its CPU wheel; any other version pulls
 # a multi-GB CUDA build.
+# Debian packages the test extra needs: Chromium for the browser tests of the playground and the
+# dashboard (driven by Playwright against this system browser; Playwright downloads none)
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
+  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null \
+    || echo "warning: chromium was not installed; the browser tests will fail" >&2
+fi
 stamp=.venv/.omni-stream-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"

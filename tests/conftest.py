@@ -81,6 +81,32 @@ def agents_base_server(ckpt_factory, tmp_path_factory):
         yield url
 
 
+# ---------------------------------------------------------------- the pages, in a real browser
+@pytest.fixture(scope="session")
+def ui_server(tiny_ckpt, tmp_path_factory):
+    """A real server on the tiny custom-voice model for the browser tests: its URL."""
+    with _agents_serve(tiny_ckpt, tmp_path_factory.mktemp("ui-voices")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def ui_base_server(ckpt_factory, tmp_path_factory):
+    """A real server on the tiny Base model (voice cloning from the page)."""
+    with _agents_serve(ckpt_factory("tiny", "base", 0),
+                       tmp_path_factory.mktemp("ui-base-voices")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium (Debian's, installed by scripts/setup.sh), driven by Playwright; a
+    fake microphone, and audio that plays without a user gesture."""
+    from browser_harness import launch
+
+    with launch() as b:
+        yield b
+
+
 # ---------------------------------------------------------------- the cluster entry (Ray Serve)
 @pytest.fixture(scope="session")
 def ray_cluster():

@@ -3,7 +3,8 @@
 - ``ray``: a local Ray cluster (the cluster entry's tests).
 - ``reference``: the official qwen-tts package or vLLM, each in an environment of its own.
 - ``process``: any other process: a real pipeline's stage processes (``PipelineBackend``), the
-  CLI or a child interpreter (``subprocess``), a ``multiprocessing`` child.
+  CLI or a child interpreter (``subprocess``), a ``multiprocessing`` child, a browser
+  (Chromium, for the playground and dashboard tests).
 - ``compile``: a program built from the model or the sources: ``torch.compile``,
   ``torch.export``, the ONNX / ExecuTorch exports (``export-step``, ``export-decoder``), a C++
   build of the CPU runtime (a compiler runs, in this process or as a child).
@@ -38,7 +39,8 @@ STARTS: dict[str, frozenset[str]] = {
     "process": frozenset({"PipelineBackend", "Supervisor", "subprocess", "multiprocessing",
                           "get_context", "ProcessPoolExecutor",
                           "sys.executable", "os.fork", "os.system",
-                          "agents_server", "agents_base_server"}),
+                          "agents_server", "agents_base_server",
+                          "browser", "ui_server", "ui_base_server"}),
     "compile": frozenset({"torch.compile", "compile_engine", "torch.export",
                           "omni_stream.engine.cpu.build.build",
                           "argv:export-decoder", "argv:export-step"}),

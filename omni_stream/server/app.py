@@ -9,6 +9,7 @@ Routes (all but /health need ``Authorization: Bearer <key>`` when an API key is 
   GET  /v1/models[/{model}]      OpenAI model list / retrieve
   GET  /health                   200 {"status": "ok"} when serving, 503 while starting/draining
   GET  /metrics                  Prometheus text
+  GET  /, /dashboard, /ui/*      the playground and the live dashboard (ui.py; --no-ui: none)
 Handlers never touch the model: they build a SpeechJob and iterate ``backend.stream``.
 """
 
@@ -23,6 +24,7 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import WSCloseCode, web
 
+from omni_stream.server import ui
 from omni_stream.server.audio import supported_formats
 from omni_stream.contract import Backend
 from omni_stream.server.errors import ApiError, from_http_exception, internal_error
@@ -71,13 +73,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[STATE].settings.api_key
-    if key is not None and request.path not in PUBLIC_PATHS:
+    settings = request.app[STATE].settings
+    key = settings.api_key
+    if key is not None and request.path not in PUBLIC_PATHS \
+            and not (settings.ui and ui.public_path(request.path)):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  key.encode()):
+        if scheme.lower() != "bearer":  # a browser's WebSocket carries it as a subprotocol
+            token = ui.ws_bearer(request.headers.get("Sec-WebSocket-Protocol", "")) or ""
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer "
-                           "<key>'", code="invalid_api_key")
+                           "<key>' (a browser WebSocket: the subprotocol "
+                           f"'{ui.WS_BEARER_PREFIX}<key>')", code="invalid_api_key")
     return await handler(request)
 
 
@@ -181,6 +187,8 @@ def create_app(backend: Backend, settings: ServerSettings | None = None,
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if settings.ui:
+        ui.add_routes(app)
     return app
 
 

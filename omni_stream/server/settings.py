@@ -29,6 +29,7 @@ class ServerSettings:
     ws_heartbeat_s: float = 20.0
     ws_max_pending_utterances: int = 64
     shutdown_timeout_s: float = 10.0
+    ui: bool = True  # the playground at / and the dashboard at /dashboard (ui.py)
     voice_dir: str | None = None  # uploaded voices (None: under the cache dir, per model)
 
     def __post_init__(self) -> None:
@@ -74,10 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice-dir", default=None,
                    help="where uploaded voices are kept (default: under the cache dir, one "
                    "folder per model); they survive restarts")
+    p.add_argument("--no-ui", action="store_true",
+                   help="serve the API only: no playground at / and no /dashboard")
 
 
 def from_args(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings.from_env(api_key=a.api_key, max_input_chars=a.max_input_chars,
                                    max_body_bytes=a.max_body_bytes,
                                    default_response_format=a.default_response_format,
-                                   voice_dir=a.voice_dir)
+                                   voice_dir=a.voice_dir, ui=not a.no_ui)

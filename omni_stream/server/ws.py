@@ -81,6 +81,7 @@ from typing import Any
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from omni_stream.server import ui
 from omni_stream.server.audio import to_s16le
 from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob, TextFeed
 from omni_stream.server.errors import ApiError
@@ -535,7 +536,7 @@ async def speech_stream(request: web.Request) -> web.WebSocketResponse:
     check_ready(st)
     ws = web.WebSocketResponse(heartbeat=st.settings.ws_heartbeat_s,
                                max_msg_size=st.settings.max_request_bytes(st.voices.supported),
-                               compress=False)
+                               compress=False, protocols=(ui.WS_PROTOCOL,))
     await ws.prepare(request)
     st.websockets.add(ws)
     st.metrics.ws_sessions.inc()
