@@ -260,7 +260,7 @@ def test_packed_bf16_weights_decode_as_the_unpacked(codes, ref, gemm_min_channel
     assert _build().pack() is False
     plain, packed = _build(gemm_min_channels).to(torch.bfloat16), _build(gemm_min_channels).to(torch.bfloat16)
     try:  # with the CPU runtime's one-pass Snake where it builds
-        from omni_stream.engine.cpu.native import snake_kernel
+        from omni_stream.engine.cpu.abi import snake_kernel
         snake = snake_kernel()
     except Exception:
         snake = None
@@ -352,7 +352,7 @@ def test_codec_stage_start_up_check_sees_whether_chunking_changes_the_bits() -> 
     """``CodecStage.check_invariance`` (run at start-up where the weights are packed) decodes
     random frames one by one and as one chunk: the packed bf16 decoder passes, a decoder whose
     rounding follows the call's length fails, and slot 0 is fresh afterwards either way."""
-    from omni_stream.engine.cpu.native import snake_kernel
+    from omni_stream.engine.cpu.abi import snake_kernel
     from omni_stream.stages.codec_stage import CodecStage
 
     class Out:

@@ -23,7 +23,9 @@ from omni_stream.engine.sampling import INVALID, SamplingParams, SlotSampling, s
 from omni_stream.engine.synthesis import Synthesizer
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
 
-native = pytest.importorskip("omni_stream.engine.cpu.native")
+pytest.importorskip("omni_stream.engine.cpu.native")
+from omni_stream.engine.cpu import abi, packing  # noqa: E402
+from omni_stream.engine.cpu.pool import CoreLease, Pool  # noqa: E402
 
 REQS = [PromptRequest(text="Hello world, this is the CPU runtime.", language="english", speaker="ryan"),
         PromptRequest(text="Another stream joins the batch.", language="auto", speaker="vivian")]
@@ -31,7 +33,7 @@ REQS = [PromptRequest(text="Hello world, this is the CPU runtime.", language="en
 
 @pytest.fixture(scope="module")
 def pool():
-    return native.Pool(2)
+    return Pool(2)
 
 
 def _product(pool, pk, x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ def test_products_match_the_weights_they_hold(pool, kind, m):
     n, k = 48, 192
     w = torch.randn(n, k, generator=gen) * 0.05
     b = torch.randn(n, generator=gen)
-    pk = native.pack_weight(w, b, kind)
+    pk = packing.pack_weight(w, b, kind)
     x = torch.randn(m, k, generator=gen)
     y = _product(pool, pk, x)
     ref = x @ pk.dequantized().T + b
@@ -63,18 +65,18 @@ def test_products_match_the_weights_they_hold(pool, kind, m):
 
 
 def test_shapes_the_layouts_cannot_hold_fall_back_to_exact(pool):
-    assert native.kind_for(40, 64, "q4") == "f32"  # rows not a multiple of 16
-    assert native.kind_for(32, 96, "q4") == "f32"  # inputs not a multiple of the group
-    assert native.kind_for(32, 96, "q6") == "f32" and native.kind_for(17, 64, "q5") == "f32"
-    assert native.kind_for(32, 96, "q8") == "q8" and native.kind_for(32, 100, "q8") == "f32"
+    assert packing.kind_for(40, 64, "q4") == "f32"  # rows not a multiple of 16
+    assert packing.kind_for(32, 96, "q4") == "f32"  # inputs not a multiple of the group
+    assert packing.kind_for(32, 96, "q6") == "f32" and packing.kind_for(17, 64, "q5") == "f32"
+    assert packing.kind_for(32, 96, "q8") == "q8" and packing.kind_for(32, 100, "q8") == "f32"
     with pytest.raises(ValueError, match="unknown weight kind 'q3'"):
-        native.kind_for(32, 64, "q3")
+        packing.kind_for(32, 64, "q3")
     gen = torch.Generator().manual_seed(3)
     for n, k in ((1, 64), (17, 65), (33, 129)):  # one row, 2^j + 1 shapes: exact fp32 products
         w = torch.randn(n, k, generator=gen)
         for kind in ("q4", "q5", "q6", "q8", "q8g"):
-            pk = native.pack_weight(w, None, kind)
-            assert pk.struct.kind == native.KINDS["f32"]
+            pk = packing.pack_weight(w, None, kind)
+            assert pk.struct.kind == packing.KINDS["f32"]
             x = torch.randn(2, k, generator=gen)
             y = _product(pool, pk, x)
             torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
@@ -90,7 +92,7 @@ def test_packing_edges(pool, kind):
     w[3, 64:128] = 0.0  # one all-zero group
     w[5] = 0.0  # one all-zero row
     w[7, 200] = 1e4  # one huge weight
-    pk = native.pack_weight(w, None, kind)
+    pk = packing.pack_weight(w, None, kind)
     d = pk.dequantized()
     assert torch.isfinite(d).all()
     assert torch.equal(d[3, 64:128], torch.zeros(64)) and torch.equal(d[5], torch.zeros(k))
@@ -106,9 +108,9 @@ def test_packing_edges(pool, kind):
         wb = w.clone()
         wb[1, 2] = bad
         with pytest.raises(ValueError, match="1 NaN/inf"):
-            native.pack_weight(wb, None, kind)
+            packing.pack_weight(wb, None, kind)
     with pytest.raises(ValueError, match="non-empty"):
-        native.pack_weight(torch.empty(0, 64), None, kind)
+        packing.pack_weight(torch.empty(0, 64), None, kind)
 
 
 def test_clipped_ranges_lower_the_error_of_heavy_tails():
@@ -122,8 +124,8 @@ def test_clipped_ranges_lower_the_error_of_heavy_tails():
     for levels in (15, 31, 63):
         for w, gain in ((heavy, 1.03 if levels == 15 else 1.0), (gauss, 1.0)):
             errs = []
-            for clips in (native.CLIPS["q4"], (1.0,)):
-                q, s, m = native.affine_codes(w, levels, clips=clips)
+            for clips in (packing.CLIPS["q4"], (1.0,)):
+                q, s, m = packing.affine_codes(w, levels, clips=clips)
                 d = q.view(64, 16, 64).float() * s[..., None] + m[..., None]
                 errs.append(float(((d.view(64, 1024) - w) ** 2).sum()))
             assert errs[0] * gain <= errs[1], (levels, errs)
@@ -142,8 +144,8 @@ def test_smoothing_moves_norm_outliers_into_the_weights():
     chans = torch.tensor([3, 100, 201])
     alpha[chans] = torch.tensor([30.0, 64.0, 100.0])
     gain, wo = alpha.clone(), w / alpha  # the outlier pair: same product as (ones, w)
-    s = native.smoothing(gain, (wo[:48], wo[48:]))
-    ratio = s / native.smoothing(torch.ones(k), (w[:48], w[48:]))
+    s = packing.smoothing(gain, (wo[:48], wo[48:]))
+    ratio = s / packing.smoothing(torch.ones(k), (w[:48], w[48:]))
     torch.testing.assert_close(ratio[chans], alpha[chans], rtol=1e-2, atol=0)  # (the median moves a little)
     torch.testing.assert_close((x * gain / s) @ (wo * s).T, (x * gain) @ wo.T, rtol=1e-5, atol=1e-6)
     ref = x @ w.T
@@ -152,7 +154,7 @@ def test_smoothing_moves_norm_outliers_into_the_weights():
         xa = x * g
         sc = xa.abs().amax(1, keepdim=True) / 127  # the runtime's per-row int8 activations
         xq = torch.round(xa / sc) * sc
-        y = xq @ native.pack_weight(ww, None, "q8").dequantized().T
+        y = xq @ packing.pack_weight(ww, None, "q8").dequantized().T
         return float((y - ref).norm() / ref.norm())
 
     plain, raw = q8_err(torch.ones(k), w), q8_err(gain, wo)
@@ -162,9 +164,9 @@ def test_smoothing_moves_norm_outliers_into_the_weights():
     g0[7] = 0.0
     wz = wo.clone()
     wz[:, 9] = 0.0
-    s0 = native.smoothing(g0, (wz,))
+    s0 = packing.smoothing(g0, (wz,))
     assert float(s0[7]) == 1.0 and float(s0[9]) == 1.0 and torch.isfinite(s0).all()
-    assert torch.equal(native.smoothing(torch.zeros(k), (w,)), torch.ones(k))
+    assert torch.equal(packing.smoothing(torch.zeros(k), (w,)), torch.ones(k))
 
 
 def _engine(model, kind: str | None) -> FrameEngine:
@@ -234,14 +236,14 @@ def test_packed_weights_kept_on_disk_give_the_same_codes(tiny_model, tmp_path, c
     path.write_bytes(b"not a safetensors file")
     engine("q4")
     assert "ignoring the pack cache" in caplog.text
-    assert native.PackCache._read(path)  # rewritten whole
+    assert packing.PackCache._read(path)  # rewritten whole
     # the folder keeps the most recently used files only
     import os
     for i in range(6):
         old = tmp_path / f"old{i}.safetensors"
         old.write_bytes(b"x")
         os.utime(old, ns=(i, i))
-    native.PackCache.prune(tmp_path, 4)
+    packing.PackCache.prune(tmp_path, 4)
     left = sorted(f.name for f in tmp_path.glob("*.safetensors"))
     assert left == ["old3.safetensors", "old4.safetensors", "old5.safetensors", "packed.safetensors"]
 
@@ -269,7 +271,7 @@ def test_runtime_draws_equal_the_torch_samplers(pool):
     ref = sample(scores, SlotSampling(greedy, temp, top_k, top_p), seed, ctr, v)
     g32, k32 = greedy.to(torch.int32), top_k.to(torch.int32)
     ctr_n = ctr.clone()
-    sp = native.OcSampling(greedy=g32.data_ptr(), top_k=k32.data_ptr(), temperature=temp.data_ptr(),
+    sp = abi.OcSampling(greedy=g32.data_ptr(), top_k=k32.data_ptr(), temperature=temp.data_ptr(),
                            top_p=top_p.data_ptr(), seed=seed.data_ptr(), counter=ctr_n.data_ptr())
     got = torch.empty(b, dtype=torch.int64)
     s = scores.contiguous()
@@ -299,13 +301,13 @@ def test_the_portable_scalar_path_computes_the_same_products(tmp_path):
     from omni_stream.engine.cpu.build import FLAGS, build
 
     flags = tuple(f for f in FLAGS if f != "-march=native") + ("-march=x86-64",)
-    scalar = native._lib(str(build(tmp_path / "libscalar.so", flags)))
+    scalar = abi.library(str(build(tmp_path / "libscalar.so", flags)))
     assert scalar.oc_has_vnni() == 0
-    fast, slow = native.Pool(1), native.Pool(1, lib=scalar)
+    fast, slow = Pool(1), Pool(1, lib=scalar)
     gen = torch.Generator().manual_seed(9)
     for kind in ("q4", "q5", "q6", "q8", "q8g"):
         for n, k, m in ((16, 64, 1), (32, 128, 3), (48, 192, 9), (16, 320, 17)):
-            pk = native.pack_weight(torch.randn(n, k, generator=gen), None, kind)
+            pk = packing.pack_weight(torch.randn(n, k, generator=gen), None, kind)
             x = torch.randn(m, k, generator=gen)
             ys = [_product(p, pk, x) for p in (fast, slow)]
             torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5)
@@ -317,16 +319,16 @@ def test_the_gfni_unpacking_gives_the_same_products_bit_for_bit(tmp_path):
     those of the shift-and-mask build, bit for bit."""
     from omni_stream.engine.cpu.build import FLAGS, _cpu_flags, build
 
-    if "gfni" not in _cpu_flags().split() or native._lib().oc_has_vnni() == 0:
+    if "gfni" not in _cpu_flags().split() or abi.library().oc_has_vnni() == 0:
         pytest.skip("no GFNI (or no VNNI kernels) on this CPU")
-    plain = native._lib(str(build(tmp_path / "libnogfni.so", FLAGS + ("-mno-gfni",))))
-    fast, slow = native.Pool(1), native.Pool(1, lib=plain)
+    plain = abi.library(str(build(tmp_path / "libnogfni.so", FLAGS + ("-mno-gfni",))))
+    fast, slow = Pool(1), Pool(1, lib=plain)
     gen = torch.Generator().manual_seed(11)
     for kind in ("q5", "q6"):
         for n, k, m in ((16, 64, 1), (48, 192, 5), (64, 1024, 9)):
             w = torch.randn(n, k, generator=gen)
             w[0, :7] = torch.tensor([1e3, -1e3, 0.0, 1e-30, -1e-30, 3.0, -3.0])  # range edges
-            pk = native.pack_weight(w, None, kind)
+            pk = packing.pack_weight(w, None, kind)
             x = torch.randn(m, k, generator=gen)
             ys = [_product(p, pk, x) for p in (fast, slow)]
             assert torch.equal(ys[0].view(torch.int32), ys[1].view(torch.int32)), (kind, n, k, m)
@@ -339,12 +341,12 @@ def test_amx_tiles_give_the_vnni_kernels_products_bit_for_bit(tmp_path):
     from omni_stream.engine.cpu.build import FLAGS, build
 
     flags = FLAGS + ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
-    vnni = native._lib(str(build(tmp_path / "libvnni.so", flags)))
+    vnni = abi.library(str(build(tmp_path / "libvnni.so", flags)))
     assert vnni.oc_has_amx() == 0
-    fast, ref = native.Pool(2), native.Pool(2, lib=vnni)
+    fast, ref = Pool(2), Pool(2, lib=vnni)
     gen = torch.Generator().manual_seed(5)
     b = torch.randn(80, generator=gen)
-    pk = native.pack_weight(torch.randn(80, 320, generator=gen) * 0.05, b, "q4")
+    pk = packing.pack_weight(torch.randn(80, 320, generator=gen) * 0.05, b, "q4")
     for m in (15, 16, 17, 40, 64):
         x = torch.randn(m, 320, generator=gen) * 3
         x[m // 2] = 0.0  # an all-zero row (scale 1, sums 0)
@@ -359,7 +361,7 @@ def test_snake_kernel_rounds_like_float64_over_a_million_values_and_edges():
     step of x + sin(alpha x)^2 / beta computed in float64 and rounded once, over 2 million values
     spanning 1e-3..1e3, odd row lengths (vector tails), and the edges: +-0, +-inf and NaN (NaN
     out, as torch's sin), |alpha x| past the reduction's range (the exact fallback), 1e+-30."""
-    snake = native.snake_kernel()
+    snake = abi.snake_kernel()
     g = torch.Generator().manual_seed(0)
     c, t = 7, 142863
     x = (torch.randn(2, c, t, generator=g) * torch.logspace(-3, 3, t)[None, None]).bfloat16()
@@ -386,7 +388,7 @@ def test_snake_kernel_value_depends_on_the_input_alone_not_its_place_in_the_row(
     """Each output is the same bits wherever its input sits: in a row of any length (full
     vectors and the masked last one alike), at any offset, and beside lanes that take the exact
     fallback (huge, inf, NaN): the same stream decoded in other chunks gives the same audio."""
-    snake = native.snake_kernel()
+    snake = abi.snake_kernel()
     g = torch.Generator().manual_seed(3)
     c, t = 3, 97
     x = (torch.randn(1, c, t, generator=g) * 4).bfloat16()
@@ -425,7 +427,7 @@ def test_lent_threads_never_change_the_codes(tiny_model):
     one.use_native("q4", "q4", threads=1)
     ref = _run(tiny_model, one, SamplingParams(), [3, 4], 10)
     for mode in ("free", "held", "flipping"):
-        lease = native.CoreLease()
+        lease = CoreLease()
         eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=3, max_seq_len=256))
         eng.use_native("q4", "q4", threads=1, lent_cpus=(lent_cpu,), lease=lease)
         stop = threading.Event()
@@ -463,8 +465,8 @@ def test_the_lease_waits_for_the_borrowers_job_then_goes_ahead(tmp_path):
     timeout; two mappings of one file (two processes in the server) see each other's words."""
     path = tmp_path / "lease"
     path.write_bytes(bytes(4096))
-    owner = native.CoreLease.open(str(path), 384, timeout_s=0.002)
-    borrower = native.CoreLease.open(str(path), 384)
+    owner = CoreLease.open(str(path), 384, timeout_s=0.002)
+    borrower = CoreLease.open(str(path), 384)
     assert not owner.wanted and not borrower.busy
     owner.acquire()
     assert borrower.wanted and owner.late == 0

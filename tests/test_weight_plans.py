@@ -26,8 +26,9 @@ from omni_stream.engine.loading import NATIVE_PLANS
 from omni_stream.engine.sampling import SamplingParams
 from omni_stream.models.prompt import PromptBuilder, PromptRequest
 
-native = pytest.importorskip("omni_stream.engine.cpu.native")
-WeightPlan = native.WeightPlan
+pytest.importorskip("omni_stream.engine.cpu.native")
+from omni_stream.engine.cpu import packing, plans  # noqa: E402
+WeightPlan = plans.WeightPlan
 
 
 def test_plan_rules_resolve_in_order():
@@ -79,14 +80,14 @@ def test_the_priced_bytes_are_the_bytes_the_runner_packs(tiny_model, path):
     sub = sum(size(x) for layer in n.cp.layers for x in layer) + size(n.cp_heads[0])
     sub += size(n.proj) if n.proj is not None else 0
     groups = tiny_model.config.talker.num_code_groups
-    assert native.frame_weight_bytes(tiny_model.config.talker, NATIVE_PLANS[path]) == \
+    assert plans.frame_weight_bytes(tiny_model.config.talker, NATIVE_PLANS[path]) == \
         talker + (groups - 1) * sub
 
 
 def test_the_released_shapes_read_fewer_bytes_per_frame_on_fewer_bits():
     for preset in ("0.6b", "1.7b"):
         t = _cfg(preset).talker
-        b = {wp: native.frame_weight_bytes(t, NATIVE_PLANS[wp])
+        b = {wp: plans.frame_weight_bytes(t, NATIVE_PLANS[wp])
              for wp in ("int4", "int5", "int6", "mixed", "int8", "fp32")}
         assert b["int4"] < b["int5"] < b["int6"] < b["mixed"] < b["int8"] < b["fp32"], b
 
@@ -102,7 +103,7 @@ def test_a_mixed_plan_runs_end_to_end_and_reloads_from_the_pack_cache(tiny_model
         eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=1, max_seq_len=128))
         eng.use_native(plan=plan, threads=1, pack_cache=tmp_path / "packed.safetensors")
         kinds = [pk.struct.kind for pk in eng.native.talker.layers[0]]
-        assert kinds == [native.KINDS[k] for k in ("q8", "q8", "q8", "q6")]
+        assert kinds == [packing.KINDS[k] for k in ("q8", "q8", "q8", "q6")]
         with torch.inference_mode():
             eng.prefill(0, p.embeds, p.trailing, SamplingParams.greedy(), 0)
             codes = torch.stack([eng.step(1)[0][0].clone() for _ in range(6)])
@@ -113,7 +114,7 @@ def test_a_mixed_plan_runs_end_to_end_and_reloads_from_the_pack_cache(tiny_model
 
 def test_pricing_picks_the_most_faithful_path_that_is_real_time():
     t = _cfg("0.6b").talker
-    fb = {wp: native.frame_weight_bytes(t, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
+    fb = {wp: plans.frame_weight_bytes(t, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
     budget = adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * adapt.NATIVE_READ_EFFICIENCY * 1e9
     order = adapt.NATIVE_PATHS_BY_FIDELITY
     assert priced_weight_path(fb, 1e6) == order[0]
@@ -130,11 +131,11 @@ def test_pricing_picks_the_most_faithful_path_that_is_real_time():
 def test_frame_reads_split_the_frame_bytes_by_stack_and_kind():
     t = _cfg("0.6b").talker
     for wp in adapt.NATIVE_PATHS_BY_FIDELITY:
-        r = native.frame_reads(t, NATIVE_PLANS[wp])
-        assert r.total == native.frame_weight_bytes(t, NATIVE_PLANS[wp])
+        r = plans.frame_reads(t, NATIVE_PLANS[wp])
+        assert r.total == plans.frame_weight_bytes(t, NATIVE_PLANS[wp])
         assert r.sub_steps == t.num_code_groups - 1 == 15
         assert all(b > 0 for b in (*r.talker.values(), *r.cp.values()))
-    mixed = native.frame_reads(t, NATIVE_PLANS["mixed"])
+    mixed = plans.frame_reads(t, NATIVE_PLANS["mixed"])
     assert set(mixed.talker) == {"q8g", "q5"} and set(mixed.cp) == {"q8g", "q6", "q5"}
 
 
@@ -143,7 +144,7 @@ def test_cache_resident_code_predictor_reads_are_priced_at_their_kernels_rate():
     kernel's own rate; the code predictor's 14 re-reads at the bandwidth measured over a buffer
     of its size (a large cache's, or memory's). Without rates it is bytes over bandwidth."""
     t = _cfg("0.6b").talker
-    r = native.frame_reads(t, NATIVE_PLANS["mixed"])
+    r = plans.frame_reads(t, NATIVE_PLANS["mixed"])
     mem = 30.0 * adapt.NATIVE_READ_EFFICIENCY * 1e9
     bytes_only = adapt.priced_frame_s(r, 30.0)
     assert bytes_only == pytest.approx(r.total / mem)
@@ -183,7 +184,7 @@ def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monk
     cfg = _cfg("0.6b")
     monkeypatch.delenv(flags.BANDWIDTH_ENV, raising=False)
     threads = []
-    monkeypatch.setattr(native, "kernel_read_gbs", lambda kind, t: threads.append(t) or 40.0)
+    monkeypatch.setattr(plans, "kernel_read_gbs", lambda kind, t: threads.append(t) or 40.0)
 
     def bandwidth(t, mib=256):  # 25 GB/s from memory, 400 from a cache of <= 128 MiB
         return 400.0 if mib <= 128 else 25.0
@@ -192,20 +193,20 @@ def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monk
     monkeypatch.setattr(flags, "_BANDWIDTH", {})
     bw, priced = flags._weight_path_pricing(hw, cfg)
     assert bw == 25.0 and set(threads) == {1}
-    reads = native.frame_reads(cfg.talker, NATIVE_PLANS["mixed"])
+    reads = plans.frame_reads(cfg.talker, NATIVE_PLANS["mixed"])
     mem = 25.0 * 1e9 * adapt.NATIVE_READ_EFFICIENCY
-    want = adapt.priced_frame_s(reads, 25.0, {k: 40.0 * hw.physical_cores for k in native.KINDS}, 400.0)
+    want = adapt.priced_frame_s(reads, 25.0, {k: 40.0 * hw.physical_cores for k in packing.KINDS}, 400.0)
     assert priced["mixed"] == round(want * mem) < reads.total
     kw = dict(model_bytes=1_800_000_000, kv_bytes_per_token=28 * 8 * 128 * 4)
     by_bytes, _ = build_profile(hw, bandwidth_gbs=25.0, frame_bytes={
-        wp: native.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in priced}, **kw)
+        wp: plans.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in priced}, **kw)
     cached, _ = build_profile(hw, bandwidth_gbs=25.0, frame_bytes=priced, **kw)
     assert by_bytes.weight_path != "mixed" and cached.weight_path == "mixed"
 
 
 def test_the_runtime_kernels_rate_is_measured_for_every_kind():
     for kind in ("q4", "q5", "q6", "q8", "q8g"):
-        rate = native.kernel_read_gbs(kind, 1, n=64, k=128, seconds=0.005)
+        rate = plans.kernel_read_gbs(kind, 1, n=64, k=128, seconds=0.005)
         assert 0 < rate < float("inf")
 
 
@@ -216,7 +217,7 @@ def test_the_profile_prices_by_bandwidth_only_where_the_native_runtime_runs():
 
     hw = probe(str(Path(__file__).parent / "data" / "hw" / "local_xeon_2c"), None)  # 2 cores, VNNI
     cfg = _cfg("0.6b")
-    fb = {wp: native.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
+    fb = {wp: plans.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
     kw = dict(model_bytes=1_800_000_000, kv_bytes_per_token=28 * 8 * 128 * 4, frame_bytes=fb)
     slow, _ = build_profile(hw, bandwidth_gbs=10.0, **kw)
     fast, src = build_profile(hw, bandwidth_gbs=60.0, **kw)

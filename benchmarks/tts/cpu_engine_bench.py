@@ -101,9 +101,9 @@ def speed_worker(a: argparse.Namespace) -> dict:
 def _frame_bytes(eng) -> int:
     """Weight bytes one frame reads: the talker's layers and head once, the code predictor's
     layers 15 times and one of its heads per sub-step (the native runner's: its plan's bytes,
-    ``engine.cpu.native.frame_weight_bytes``, equal to what it packed)."""
+    ``engine.cpu.plans.frame_weight_bytes``, equal to what it packed)."""
     if eng.native is not None:
-        from omni_stream.engine.cpu.native import frame_weight_bytes
+        from omni_stream.engine.cpu.plans import frame_weight_bytes
 
         return frame_weight_bytes(eng.cfg, eng.native.plan)
     t = eng.talker

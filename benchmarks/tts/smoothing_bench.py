@@ -1,5 +1,5 @@
 """What folding norm outliers into the weights is worth: the native runtime's low-bit paths with
-smoothing (``engine.cpu.native.smoothing``, the default) and without, teacher-forced against the
+smoothing (``engine.cpu.packing.smoothing``, the default) and without, teacher-forced against the
 fp32 reference (``evaluation.fidelity``), on a checkpoint made with ``make-checkpoint
 --outliers`` (and, for contrast, a plain one, where it must cost nothing).
 

@@ -1,6 +1,6 @@
 """Where a low-bit weight path's error comes from: one tensor class (or one third of the layers)
 of the talker or the code predictor at a time on ``--kind`` weights (the runtime's own
-quantizer, ``engine.cpu.native.pack_weight``), everything else exact, teacher-forced against
+quantizer, ``engine.cpu.packing.pack_weight``), everything else exact, teacher-forced against
 the exact model (``evaluation.fidelity``): talker and code-predictor logits SNR per group. The
 errors of separate groups add up (as powers), so the groups with the lowest SNR per weight are
 where bits pay; ``engine.loading.NATIVE_PLANS["mixed"]`` is built from this table.
@@ -59,7 +59,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from omni_stream.engine.cpu.native import pack_weight
+    from omni_stream.engine.cpu.packing import pack_weight
     from omni_stream.evaluation.fidelity import load_path, reference, teacher_forced
 
     machine = machine_info()

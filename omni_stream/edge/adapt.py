@@ -285,7 +285,7 @@ def _ordered_cpus(hw: HardwareProfile) -> list[int]:
 
 def priced_weight_path(frame_bytes: Mapping[str, int], bandwidth_gbs: float) -> str:
     """The most faithful native weight path whose frame fits the real-time budget at this read
-    bandwidth: a frame reads ``frame_bytes[path]`` (``engine.cpu.native.frame_weight_bytes``)
+    bandwidth: a frame reads ``frame_bytes[path]`` (``engine.cpu.plans.frame_weight_bytes``)
     at ``NATIVE_READ_EFFICIENCY`` of the measured bandwidth and may take
     ``REALTIME_MODEL_SHARE`` of its 80 ms; the fastest path (int4) when none fits."""
     budget_s = REALTIME_MODEL_SHARE * FRAME_S
@@ -297,13 +297,13 @@ def priced_weight_path(frame_bytes: Mapping[str, int], bandwidth_gbs: float) -> 
 
 def priced_frame_s(reads, dram_gbs: float, kernel_gbs: Mapping[str, float] | None = None,
                    reread_gbs: float | None = None) -> float:
-    """Seconds a frame of ``reads`` (``engine.cpu.native.FrameReads``) takes where each product
+    """Seconds a frame of ``reads`` (``engine.cpu.plans.FrameReads``) takes where each product
     goes at the lower of where its weights come from and its kernel's own rate: the talker's
     and the code predictor's first sub-step from memory (``dram_gbs`` x
     ``NATIVE_READ_EFFICIENCY``), the other sub-steps re-read the code predictor at
     ``reread_gbs`` (the read bandwidth measured over a buffer of its size: the cache's where it
     fits, memory's where not). ``kernel_gbs``: each weight kind's measured cache-resident rate
-    (``native.kernel_read_gbs``); missing kinds and None are unbounded, and without
+    (``engine.cpu.plans.kernel_read_gbs``); missing kinds and None are unbounded, and without
     ``reread_gbs`` a re-read costs what a first read does: then this is bytes over bandwidth,
     the pricing of a machine nothing was measured on."""
     mem = dram_gbs * 1e9 * NATIVE_READ_EFFICIENCY

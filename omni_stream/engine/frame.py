@@ -125,9 +125,9 @@ class FrameEngine:
         """Run the talker step, its head, prefill and the code predictor's frame on the CPU
         runtime (``engine/cpu``) with the given weight paths; the engine's state is shared.
         ``lent_cpus``/``lease``: extra runtime threads on cores lent by another process while
-        it does not hold the lease (``engine.cpu.native.Pool``). ``pack_cache``: a file where
-        the packed weights are kept between starts (``engine.cpu.native.PackCache``). ``plan``: a
-        ``engine.cpu.native.WeightPlan`` (kind per product) instead of the two kinds."""
+        it does not hold the lease (``engine.cpu.pool.Pool``). ``pack_cache``: a file where
+        the packed weights are kept between starts (``engine.cpu.packing.PackCache``). ``plan``: a
+        ``engine.cpu.plans.WeightPlan`` (kind per product) instead of the two kinds."""
         from omni_stream.engine.cpu.native import NativeRunner
 
         if self.device.type != "cpu":

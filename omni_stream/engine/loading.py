@@ -11,7 +11,7 @@ from omni_stream.checkpoints import io
 from omni_stream.checkpoints.io import LoadedModel
 from omni_stream.config import check_engine
 from omni_stream.engine import quant
-from omni_stream.engine.cpu.native import WeightPlan
+from omni_stream.engine.cpu.plans import WeightPlan
 
 # The CPU runtime's weight plan (kind of every product) for each weight path. "mixed" spends
 # the bytes where the teacher-forced error comes from. Measured on random 0.6B weights, one
@@ -67,10 +67,11 @@ def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:
     """Where the native runtime keeps this checkpoint's packed weights between starts: keyed by
     the weight files (path, size, modification time), the weight path and the packing code."""
     from omni_stream.checkpoints.default import cache_dir
-    from omni_stream.engine.cpu import native
+    from omni_stream.engine.cpu import native, packing
 
     root = Path(model_path).resolve()
-    parts = [str(root), str(NATIVE_PLANS[weight_path].as_dict()), Path(native.__file__).read_text()]
+    parts = [str(root), str(NATIVE_PLANS[weight_path].as_dict()), Path(packing.__file__).read_text(),
+             Path(native.__file__).read_text()]
     for f in sorted(root.glob("*.safetensors")):
         st = f.stat()
         parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
@@ -81,7 +82,7 @@ def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:
 def attach_engine(frame_engine, engine: str, weight_path: str | None, threads: int, *,
                   lent_cpus: tuple[int, ...] = (), lease=None, model_path=None) -> None:
     """Switch a ``FrameEngine`` to the native runtime or to vLLM (no-op for the torch engine);
-    ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.native.Pool``);
+    ``lent_cpus``/``lease``: threads on another stage's cores (``engine.cpu.pool.Pool``);
     ``model_path``: keep the packed weights in the cache (``pack_cache_path``) so the next start
     loads them (native), the checkpoint vLLM reads the talker decoder from (vllm)."""
     if engine == "native":

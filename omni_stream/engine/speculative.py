@@ -112,7 +112,7 @@ class _NativeParts:
     first layers of the predictor's own), heads, projection and embedding tables."""
 
     def __init__(self, engine, draft_layers: int) -> None:
-        from omni_stream.engine.cpu.native import OcStack
+        from omni_stream.engine.cpu.abi import OcStack
 
         self.e, self.n = engine, engine.native
         s = self.n.cp.struct

@@ -93,7 +93,7 @@ class Code2Wav(nn.Module):
         released dims). The transposed convs then run as GEMMs, so the audio is the unpacked
         bf16 decode's within bf16 rounding (tests/test_code2wav.py), not bit for bit. Call it
         once the weights are loaded and cast: the packed copies do not follow later changes.
-        ``snake``: a one-pass SnakeBeta kernel for streaming (``engine.cpu.native.snake_kernel``:
+        ``snake``: a one-pass SnakeBeta kernel for streaming (``engine.cpu.abi.snake_kernel``:
         torch's five bf16 ops are a quarter of a decode call)."""
         if not onednn_packing_available(self.pre_conv.conv.weight):
             return False

@@ -105,7 +105,7 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
 
     from omni_stream.edge import adapt
     from omni_stream.edge.measure import memory_bandwidth_gbs
-    from omni_stream.engine.cpu.native import frame_reads, kernel_read_gbs
+    from omni_stream.engine.cpu.plans import frame_reads, kernel_read_gbs
     from omni_stream.engine.loading import NATIVE_PLANS
 
     reads = {wp: frame_reads(cfg.talker, plan) for wp, plan in NATIVE_PLANS.items()

@@ -400,7 +400,7 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
                     "within bf16 rounding); --codec-dtype float32 for a decode that does not "
                     "depend on the ISA")
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
-        from omni_stream.engine.cpu.native import CoreLease
+        from omni_stream.engine.cpu.pool import CoreLease
         from omni_stream.transport.ring import LEASE_OFF
 
         stage.lease = CoreLease.open(frames_handle.path, LEASE_OFF)
@@ -445,7 +445,7 @@ def _snake_kernel(model: Code2Wav):
     if p.device.type != "cpu" or p.dtype != torch.bfloat16:
         return None
     try:
-        from omni_stream.engine.cpu.native import snake_kernel
+        from omni_stream.engine.cpu.abi import snake_kernel
 
         return snake_kernel()
     except Exception as e:  # no compiler, or a failed build: the torch ops are correct too

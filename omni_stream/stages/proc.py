@@ -28,7 +28,7 @@ class StageSpec:
     compile: bool = False  # torch.compile the decoder steps (engine.compiled)
     cuda_graphs: bool = False  # talker: capture the frame step as CUDA graphs (engine.graphs)
     engine: str = "torch"  # "native": the CPU runtime runs the decode step (engine/cpu)
-    # Core lending (the lease in the frames ring, engine.cpu.native.CoreLease): the talker runs
+    # Core lending (the lease in the frames ring, engine.cpu.pool.CoreLease): the talker runs
     # extra runtime threads pinned to ``lent_cpus`` (the codec's CPUs) while the codec stage,
     # which ``lends_cores``, is not decoding.
     lent_cpus: tuple[int, ...] = ()

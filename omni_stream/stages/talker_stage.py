@@ -388,7 +388,7 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
                         faults=FaultPlan.from_env())
     lease = None
     if spec.lent_cpus:
-        from omni_stream.engine.cpu.native import CoreLease
+        from omni_stream.engine.cpu.pool import CoreLease
         from omni_stream.transport.ring import LEASE_OFF
 
         lease = CoreLease.open(frames_handle.path, LEASE_OFF)

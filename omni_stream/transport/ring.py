@@ -4,7 +4,7 @@ Segment layout (one file in /dev/shm, see :mod:`.shm`)::
 
     [0, 64)        shm preamble (magic, owner pid, owner start time)
     [64, 4096)     ring control block: geometry, endpoint pids, counters (informational),
-                   and a core lease (two int32 at LEASE_OFF; see engine.cpu.native.CoreLease)
+                   and a core lease (two int32 at LEASE_OFF; see engine.cpu.pool.CoreLease)
     [4096, +cap)   records, 64-byte aligned, wrapping; a record never straddles the end:
                    [128-byte header | payload | pad to 64]   or a PAD marker (skip to offset 0)
 
@@ -60,7 +60,7 @@ _PID_OFF = {"producer": 128, "consumer": 192}  # (pid, start time); pid -1 = clo
 _PID = struct.Struct("<qQ")
 _CNT_OFF = {"producer": 256, "consumer": 320}  # (bytes, messages) put / got
 _CNT = struct.Struct("<QQ")
-# two int32 words that the consumer may lend its cores through (engine.cpu.native.CoreLease):
+# two int32 words that the consumer may lend its cores through (engine.cpu.pool.CoreLease):
 # a producer that computes on the consumer's cores while the consumer is idle
 LEASE_OFF = 384
 assert LEASE_OFF + 8 <= DATA_OFFSET
