@@ -9,6 +9,7 @@ Routes (all but /health need ``Authorization: Bearer <key>`` when an API key is 
   GET  /v1/models[/{model}]      OpenAI model list / retrieve
   GET  /health                   200 {"status": "ok"} when serving, 503 while starting/draining
   GET  /metrics                  Prometheus text
+  GET  /v1/stats                 the dashboard's figures: capacity, streams, step parts
   GET  /, /dashboard, /ui/*      the playground and the live dashboard (ui.py; --no-ui: none)
 Handlers never touch the model: they build a SpeechJob and iterate ``backend.stream``.
 """
@@ -24,7 +25,7 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import WSCloseCode, web
 
-from omni_stream.server import ui
+from omni_stream.server import dashboard, ui
 from omni_stream.server.audio import supported_formats
 from omni_stream.contract import Backend
 from omni_stream.server.errors import ApiError, from_http_exception, internal_error
@@ -187,6 +188,7 @@ def create_app(backend: Backend, settings: ServerSettings | None = None,
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    dashboard.add_routes(app)
     if settings.ui:
         ui.add_routes(app)
     return app
