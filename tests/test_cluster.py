@@ -854,3 +854,33 @@ def test_autoscaling_follows_the_capacity_in_use(ray_cluster):
     assert all(d["status"] == 200 and d["result"] == "complete" for d in done)
     assert peak == 2, "no second replica while one replica's capacity was in use"
     ray_cluster.wait_replicas(1, timeout=90)  # and back down once idle
+
+
+def test_the_pages_and_the_dashboards_stats_through_the_entry(ray_cluster):
+    """The playground and the dashboard are the replicas' own pages, forwarded; /v1/stats
+    answers for every replica, merged, and keeps the API key."""
+    from omni_stream.server.fake_backend import FakeBackend
+    from omni_stream.server.settings import ServerSettings
+
+    ray_cluster.deploy(replicas=2, backend=FakeBackend(max_streams=3),
+                       settings=ServerSettings(api_key="k1"), force=True)
+    url = ray_cluster.url
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            pages = {}
+            for path in ("/", "/dashboard", "/ui/dashboard.js"):
+                async with s.get(url + path) as r:
+                    pages[path] = (r.status, await r.text())
+            async with s.get(url + "/v1/stats") as r:
+                refused = r.status
+            async with s.get(url + "/v1/stats", headers={"Authorization": "Bearer k1"}) as r:
+                return pages, refused, r.status, await r.json()
+
+    pages, refused, status, stats = run_async(go(), 60)
+    assert all(p[0] == 200 for p in pages.values()), {k: v[0] for k, v in pages.items()}
+    assert "<html" in pages["/"][1] and "/ui/dashboard.js" in pages["/dashboard"][1]
+    assert refused == 401 and status == 200
+    assert [r["status"] for r in stats["replicas"]] == ["ok", "ok"]
+    assert stats["capacity"]["capacity_streams"] == 6  # both replicas' capacity
+    assert stats["streams"] == {"running": 0, "queued": 0, "refused": 0}

@@ -1,4 +1,4 @@
-"""/health and /metrics for a whole cluster, gathered from every registered replica.
+"""/health, /metrics and /v1/stats for a whole cluster, gathered from every registered replica.
 
 ``GET /health``: 200 ``{"status": "ok", "replicas": [...], "capacity_streams": N, ...}`` while
 at least one replica serves, else 503; per replica its id, node, pid, the address of its
@@ -10,6 +10,11 @@ labelled ``replica="<id>"`` (one HELP/TYPE per family), plus ``omni_stream_clust
 by state and ``omni_stream_cluster_capacity_streams``. The API key is checked as a single
 server checks it: the request is first put to this replica's own /metrics, and a refusal is
 returned as it is.
+
+``GET /v1/stats`` (the dashboard's figures, ``server.dashboard``): every replica's own answer
+merged by ``server.dashboard.merge_stats`` (capacity and streams add up, the parts are averaged
+over the replicas' frame steps), each replica's kept under ``replicas``. The key is checked as
+for /metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from omni_stream.server.dashboard import STATS_PATH, merge_stats
 from omni_stream.server.metrics import CONTENT_TYPE
 
 # name, labels, " value [timestamp]" (a value: a float, NaN or +/-Inf)
@@ -188,4 +194,31 @@ async def cluster_metrics(replica, scope, receive, send) -> None:
             "replicas can run at once\n# TYPE omni_stream_cluster_capacity_streams gauge\n"
             f"omni_stream_cluster_capacity_streams {cap}\n")
     await _respond(send, 200, (head + merge_expositions(texts)).encode(), CONTENT_TYPE,
+                   replica.forward.extra)
+
+
+async def cluster_stats(replica, scope, receive, send) -> None:
+    from omni_stream.cluster.replica import PEER_TIMEOUT_S
+
+    headers = _auth(scope)
+    session = replica.forward.session()
+    own = await _fetch(session, replica.url + STATS_PATH, headers, PEER_TIMEOUT_S)
+    if own is None or own[0] != 200:  # a refused key (401) or a broken replica: as it is
+        status, body = own if own is not None else (503, b'{"error": {"message": '
+                                                          b'"stats unavailable"}}')
+        await _respond(send, status, body, "application/json", replica.forward.extra)
+        return
+    others = [p for p in await replica.peers() if p["replica"] != replica.replica_id]
+    got = await asyncio.gather(*[_fetch(session, p["url"] + STATS_PATH, headers, PEER_TIMEOUT_S)
+                                 for p in others])
+    rows: list[tuple[str, dict[str, Any] | None]] = [(replica.replica_id, json.loads(own[1]))]
+    for p, r in zip(others, got):
+        body = None
+        if r is not None and r[0] == 200:
+            try:
+                body = json.loads(r[1])
+            except ValueError:
+                pass
+        rows.append((p["replica"], body))
+    await _respond(send, 200, json.dumps(merge_stats(rows)).encode(), "application/json",
                    replica.forward.extra)

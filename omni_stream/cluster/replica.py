@@ -9,9 +9,11 @@ to it (``forward.Forwarder``). Why forward rather than re-implement the routes o
 has one implementation, tested once and run by both deployments, and the price is a same-node
 hop measured by ``benchmarks/tts/cluster_bench.py``.
 
-Two requests are answered for the whole cluster: ``GET /health`` (every replica's state and
-capacity, 200 while one serves) and ``GET /metrics`` (every replica's metrics with a
-``replica`` label, and cluster gauges); the replicas are found in the registry.
+Three requests are answered for the whole cluster: ``GET /health`` (every replica's state and
+capacity, 200 while one serves), ``GET /metrics`` (every replica's metrics with a ``replica``
+label, and cluster gauges) and ``GET /v1/stats`` (the dashboard's figures, merged); the
+replicas are found in the registry. Everything else, the pages at ``/`` and ``/dashboard``
+included, is the replica's own aiohttp app, forwarded.
 
 To Serve a replica reports:
 - ``record_routing_stats``: real-time capacity and streams held (``router.CapacityRouter``);
@@ -258,10 +260,11 @@ class OmniStreamReplica:
     # ------------------------------------------------------------------ ASGI
     async def _asgi(self, scope, receive, send) -> None:
         if (scope["type"] == "http" and scope["method"] == "GET"
-                and scope["path"] in ("/health", "/metrics")):
-            from omni_stream.cluster.aggregate import cluster_health, cluster_metrics
+                and scope["path"] in ("/health", "/metrics", "/v1/stats")):
+            from omni_stream.cluster.aggregate import cluster_health, cluster_metrics, cluster_stats
 
-            handler = cluster_health if scope["path"] == "/health" else cluster_metrics
+            handler = {"/health": cluster_health, "/metrics": cluster_metrics,
+                       "/v1/stats": cluster_stats}[scope["path"]]
             await handler(self, scope, receive, send)
             return
         await self.forward(scope, receive, send)
