@@ -28,7 +28,8 @@ def _get_json(url: str) -> dict:
 
 def _speak_until(url: str, stop: threading.Event) -> None:
     """Speech requests one after another until ``stop``: load for the chart."""
-    body = json.dumps({"input": TEXT, "voice": "vivian", "response_format": "pcm"}).encode()
+    body = json.dumps({"input": TEXT, "voice": "vivian", "response_format": "pcm",
+                       "max_new_tokens": 60}).encode()
     while not stop.is_set():
         req = urllib.request.Request(url + "/v1/audio/speech", data=body,
                                      headers={"Content-Type": "application/json"})
