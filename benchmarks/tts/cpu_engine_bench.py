@@ -75,8 +75,14 @@ def speed_worker(a: argparse.Namespace) -> dict:
 
     torch.set_num_threads(a.threads)
     out = {"path": a.path, "threads": a.threads}
-    for batch in (1, 4):
+    batches = tuple(int(b) for b in str(getattr(a, "batches", "1,4")).split(","))
+    for batch in batches:
         s = _synth(a.model, a.path, a.threads, batch)
+        if batch == 1 and getattr(a, "codec_chunk", 0):
+            from benchmarks.tts.weight_path_bench import codec_ms_per_frame
+
+            out["codec_ms_per_frame"] = codec_ms_per_frame(s.model.code2wav, 16, a.codec_chunk)
+            out["codec_dtype"] = str(next(s.model.code2wav.parameters()).dtype).replace("torch.", "")
         eng = s.engine
         p = s.builder.build(PromptRequest(text=TEXT, language="english", speaker="ryan"))
         with torch.inference_mode():
@@ -148,6 +154,8 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads-one", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--batches", default="1,4", help=argparse.SUPPRESS)
+    ap.add_argument("--codec-chunk", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         a.threads = a.threads_one

@@ -40,7 +40,6 @@ def speed_worker(a: argparse.Namespace) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from omni_stream.engine.loading import load_model
-    from omni_stream.models.code2wav import Code2WavStream
     from omni_stream.models.prompt import PromptRequest
     from omni_stream.engine.quant import QUANTIZED, weight_bytes
     from omni_stream.engine.sampling import SamplingParams
@@ -77,21 +76,30 @@ def speed_worker(a: argparse.Namespace) -> dict:
             t1 = time.perf_counter()
             eng.step(1)
             ts.append((time.perf_counter() - t1) * 1e3)
-        c2w = None
-        if a.codec:
-            st = Code2WavStream(m.code2wav, max_slots=1)
-            codes = torch.randint(0, 2048, (1, g, 4))
-            st.decode([0], codes)
-            cs = []
-            for _ in range(5):
-                t1 = time.perf_counter()
-                st.decode([0], codes)
-                cs.append((time.perf_counter() - t1) * 1e3 / 4)
-            c2w = statistics.median(cs)
+        c2w = codec_ms_per_frame(m.code2wav, g) if a.codec else None
     return dict(path=a.path, threads=a.threads, compiled=bool(a.compile), frame_ms=statistics.median(ts),
                 frame_ms_p90=sorted(ts)[int(0.9 * (len(ts) - 1))], load_s=load_s,
                 compile_s=compile_s, code2wav_ms_per_frame_chunk4=c2w,
                 weight_bytes_per_frame=talker_b + (g - 1) * (cp_b + head_b))
+
+
+def codec_ms_per_frame(code2wav, groups: int, chunk: int = 4, reps: int = 5) -> float:
+    """The streaming Code2Wav (the server's decoder) per frame: median over ``reps`` decodes of
+    ``chunk`` new random frames each, state carried, after one warm-up chunk."""
+    import torch
+
+    from omni_stream.models.code2wav import Code2WavStream
+
+    st = Code2WavStream(code2wav, max_slots=1)
+    codes = torch.randint(0, 2048, (1, groups, chunk))
+    with torch.inference_mode():
+        st.decode([0], codes)
+        cs = []
+        for _ in range(reps):
+            t1 = time.perf_counter()
+            st.decode([0], codes)
+            cs.append((time.perf_counter() - t1) * 1e3 / chunk)
+    return statistics.median(cs)
 
 
 def fidelity(model: str, paths: list[str], frames: int, threads: int) -> list[dict]:

@@ -1,0 +1,410 @@
+"""omni-stream beside the other CPU implementations of Qwen3-TTS, on the same random checkpoint.
+
+Peers (pinned, each in its own virtualenv under ~/.cache/omni-stream/peers/, benchmarks/tts/peers/):
+  vox       vox-tts 0.19.5 (C++ engine), its own converter: python -m vox build --dtype --quant
+  qwentts   realtimetts-qwen-native-cpu 0.4.2 (qwentts.cpp on GGML), GGUF files written by
+            peers/gguf_convert.py (upstream convert.py's names and keys; Q8_0 / Q4_K_M / BF16 / F32)
+omni-stream: cpu_engine_bench's worker (talker step + code predictor's 15 sub-steps per frame,
+batch 1) and weight_path_bench's streaming Code2Wav timing (4-frame chunks).
+
+Precisions matched: 8-bit (omni native-int8, vox q8, Q8_0), 4-bit (native-int4, vox q4full,
+Q4_K_M), bf16 (torch bf16, vox bf16, BF16), fp32 (native-f32, vox f32, F32). Each measurement is a
+fresh process; rounds are interleaved (every implementation and precision once per round, the
+order rotated), and the table gives medians with n. Per frame: talker and code predictor as each
+implementation's own counters report them (omni-stream: timed around its step functions; vox:
+Engine.stats(); qwentts.cpp: its [Perf] log), and the codec per frame (omni-stream: streaming,
+4-frame chunks; vox: streaming, 4-frame chunks; qwentts.cpp: one pass over the utterance).
+
+Fidelity: greedy decoding of the same prompt against omni-stream's exact fp32 torch path over the
+first --fidelity-frames frames. qwentts.cpp dumps its codes: the fraction of the 16 x F codes
+equal to the reference's, and the frames before the first difference. vox gives no codes, only
+audio: it runs the text-streaming prompt (one text token per step), so its audio is compared
+with the reference's text-streaming audio through the same exact codec, frame by frame; a frame
+counts as matching at >= 40 dB (equal codes give ~115 dB, any changed code ~0 dB).
+
+    python benchmarks/tts/peer_bench.py --model CK          # CK: omni-stream make-checkpoint --preset 0.6b
+
+Writes benchmarks/tts/results/peer_bench.{json,md}. The machine's read bandwidth is measured at
+the start (machine.py) and printed beside the table: on a shared 2-core machine the figures are
+noisy; read the medians and n, not single runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+from benchmarks.tts.peers.setup import PEERS, ensure_venv, peer_root  # noqa: E402
+
+log = logging.getLogger("peer_bench")
+RESULTS = ROOT / "benchmarks" / "tts" / "results"
+TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
+PRECISIONS = ("8-bit", "4-bit", "bf16", "fp32")
+OMNI_PATHS = {"8-bit": "native-int8", "4-bit": "native-int4", "bf16": "torch-bf16", "fp32": "native-f32"}
+QWENTTS_QUANTS = {"8-bit": "Q8_0", "4-bit": "Q4_K_M", "bf16": "BF16", "fp32": "F32"}
+# bits per weight of the talker/code-predictor linears as stored (block scales included)
+BITS = {
+    "vox": {"8-bit": 9.0, "4-bit": 5.0, "bf16": 16.0, "fp32": 32.0},  # int8/int4 + f32 scale per 32
+    "qwentts": {"8-bit": 8.5, "4-bit": 4.5, "bf16": 16.0, "fp32": 32.0},  # Q8_0, Q4_K, BF16, F32
+}
+MATCH_DB = 40.0
+
+
+# --------------------------------------------------------------------------- preparation
+def checkpoint_key(ck: Path) -> str:
+    """Folder name + a hash of its configs and weight files' sizes and mtimes: conversions of
+    an unchanged checkpoint are reused from the cache."""
+    h = hashlib.sha256()
+    for p in sorted([*ck.glob("*.json"), *ck.glob("**/*.safetensors"), *ck.glob("speech_tokenizer/*.json")]):
+        st = p.stat()
+        h.update(f"{p.relative_to(ck)}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    return f"{ck.name}-{h.hexdigest()[:10]}"
+
+
+def convert_vox(py: Path, ck: Path, out_dir: Path, precision: str) -> Path:
+    from benchmarks.tts.peers.vox_build import vox_build_command
+
+    out = out_dir / f"vox-{precision}.tmod"
+    if not out.exists():
+        tmp = out.with_suffix(".partial")
+        r = subprocess.run(vox_build_command(py, ck, tmp, precision), capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"vox build failed: {r.stderr.strip()[-600:]}")
+        tmp.rename(out)
+    return out
+
+
+def convert_qwentts(py: Path, ck: Path, out_dir: Path, precision: str) -> tuple[Path, Path]:
+    from benchmarks.tts.peers.gguf_convert import GgmlQuantizer, write_codec_gguf, write_talker_gguf
+
+    q = QWENTTS_QUANTS[precision]
+    talker, codec = out_dir / f"qwentts-talker-{q}.gguf", out_dir / f"qwentts-codec-{q}.gguf"
+    lib = next(py.parent.parent.glob("lib/python*/site-packages/qwentts_cpp_cpu/lib/libggml-base.so*"), None)
+    quantizer = GgmlQuantizer(lib) if lib is not None else None
+    for path, write in ((talker, write_talker_gguf), (codec, write_codec_gguf)):
+        if not path.exists():
+            tmp = path.with_suffix(".partial")
+            write(ck, tmp, q, quantizer)
+            tmp.rename(path)
+    return talker, codec
+
+
+# --------------------------------------------------------------------------- one run
+def run_omni(ck: Path, precision: str, threads: int, frames: int, timeout: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "tts" / "cpu_engine_bench.py"), "--worker",
+           "--model", str(ck), "--path", OMNI_PATHS[precision], "--threads-one", str(threads),
+           "--frames", str(frames), "--batches", "1", "--codec-chunk", "4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        raise RuntimeError(f"exit {r.returncode}: {failure_reason(r.stderr)}")
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    return dict(talker_ms=row["talker_ms_b1"], cp_ms=row["cp_frame_ms_b1"],
+                codec_ms=row.get("codec_ms_per_frame"), weight_bytes_per_frame=row["weight_bytes_per_frame"],
+                codec_mode=f"streaming, 4-frame chunks, {row.get('codec_dtype')}")
+
+
+def failure_reason(stderr: str) -> str:
+    """The lines of a failed run that say why (an assertion, the exception), not a backtrace."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for key in ("GGML_ASSERT", "FATAL", "Error:", "Error ", "error:"):
+        hit = [ln for ln in lines if key in ln]
+        if hit:
+            return hit[-1][-600:]
+    return "\n".join(lines[-3:])[-600:] or "no output"
+
+
+def run_peer(name: str, py: Path, model: Any, precision: str, threads: int, frames: int,
+             out: Path, timeout: int) -> dict:
+    cmd = [str(py), str(ROOT / "benchmarks" / "tts" / "peers" / "worker.py"), "--peer", name,
+           "--threads", str(threads), "--frames", str(frames), "--text", TEXT, "--out", str(out)]
+    cmd += (["--model", str(model[0]), "--codec", str(model[1])] if name == "qwentts"
+            else ["--model", str(model)])
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")  # an abort says why, without a gdb dump
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode:
+        raise RuntimeError(f"exit {r.returncode}: {failure_reason(r.stderr or r.stdout)}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- fidelity
+def fidelity(ck: Path, frames: int, runs_dir: Path, impls: list[str], threads: int) -> list[dict]:
+    """Greedy codes / audio of every implementation and precision against torch fp32."""
+    import numpy as np
+    import torch
+
+    from omni_stream.engine.sampling import SamplingParams
+    from omni_stream.engine.synthesis import Synthesizer
+    from omni_stream.models.prompt import PromptRequest
+
+    torch.set_num_threads(threads)
+    req = PromptRequest(text=TEXT, language="english", speaker="ryan")
+    req_st = PromptRequest(text=TEXT, language="english", speaker="ryan", stream_text=True)
+    ref = Synthesizer.from_path(str(ck), torch.float32)
+    ref_codes, _, _ = ref.generate_codes(req, SamplingParams.greedy(), 0, frames)
+    ref_audio_st = ref.synthesize(req_st, SamplingParams.greedy(), 0, frames).audio
+    spf = ref.model.code2wav.samples_per_frame
+    rows = []
+
+    def codes_row(impl: str, prec: str, codes: np.ndarray) -> dict:
+        n = min(len(codes), len(ref_codes))
+        eq = codes[:n] == ref_codes[:n]
+        diff = np.flatnonzero(~eq.all(axis=1))
+        return dict(impl=impl, precision=prec, compared="codes", frames=n,
+                    code_match=float(eq.mean()) if n else None,
+                    code0_match=float(eq[:, 0].mean()) if n else None,
+                    frames_before_first_difference=int(diff[0]) if len(diff) else n)
+
+    for prec in PRECISIONS:
+        if "omni-stream" in impls:
+            engine, wp = ("torch", None) if prec == "bf16" else ("native", OMNI_PATHS[prec].split("-")[1])
+            wp = {"f32": "fp32"}.get(wp, wp)
+            try:
+                s = Synthesizer.from_path(str(ck), torch.bfloat16, weight_path=wp, engine=engine, threads=threads)
+                c, _, _ = s.generate_codes(req, SamplingParams.greedy(), 0, frames)
+                rows.append(codes_row("omni-stream", prec, c))
+                del s
+            except Exception as e:  # a failed path is a row that says why
+                rows.append(dict(impl="omni-stream", precision=prec, error=f"{type(e).__name__}: {e}"))
+        qdir = runs_dir / f"qwentts-{prec}-t1-r0"
+        if "qwentts" in impls:
+            if (qdir / "codes.npy").exists():
+                rows.append(codes_row("qwentts", prec, np.load(qdir / "codes.npy")))
+            else:
+                rows.append(dict(impl="qwentts", precision=prec, error="no codes: its timed run failed"))
+        vdir = runs_dir / f"vox-{prec}-t1-r0"
+        if "vox" in impls:
+            if (vdir / "audio.npy").exists():
+                a = np.load(vdir / "audio.npy")
+                n = min(len(a), len(ref_audio_st)) // spf
+                snr = []
+                for f in range(n):
+                    x, y = ref_audio_st[f * spf:(f + 1) * spf], a[f * spf:(f + 1) * spf]
+                    snr.append(float(10 * np.log10((x ** 2).sum() / max(((x - y) ** 2).sum(), 1e-30))))
+                ok = [s >= MATCH_DB for s in snr]
+                rows.append(dict(impl="vox", precision=prec, compared="audio, text-streaming prompt",
+                                 frames=n, frame_match=float(np.mean(ok)) if n else None,
+                                 frames_before_first_difference=ok.index(False) if False in ok else n,
+                                 frame_snr_db=[round(s, 1) for s in snr]))
+            else:
+                rows.append(dict(impl="vox", precision=prec, error="no audio: its timed run failed"))
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+def aggregate(runs: list[dict]) -> list[dict]:
+    """Medians per (impl, precision, threads), with n and the errors of failed runs."""
+    out = []
+    keys = dict.fromkeys((r["impl"], r["precision"], r["threads"]) for r in runs)
+    for impl, prec, th in keys:
+        rs = [r for r in runs if (r["impl"], r["precision"], r["threads"]) == (impl, prec, th)]
+        ok = [r for r in rs if "error" not in r]
+        row: dict[str, Any] = dict(impl=impl, precision=prec, threads=th, n=len(ok), runs=len(rs))
+        if ok:
+            for k in ("talker_ms", "cp_ms", "codec_ms"):
+                vals = [r[k] for r in ok if r.get(k) is not None]
+                row[k] = round(statistics.median(vals), 2) if vals else None
+            row["frame_ms"] = round(statistics.median(r["talker_ms"] + r["cp_ms"] for r in ok), 2)
+            row["frame_ms_min_max"] = [round(min(r["talker_ms"] + r["cp_ms"] for r in ok), 1),
+                                       round(max(r["talker_ms"] + r["cp_ms"] for r in ok), 1)]
+            row["codec_mode"] = ok[0].get("codec_mode")
+            if ok[0].get("weight_bytes_per_frame"):
+                row["weight_bytes_per_frame"] = ok[0]["weight_bytes_per_frame"]
+        errs = [r["error"] for r in rs if "error" in r]
+        if errs:
+            row["error"] = errs[0]
+        out.append(row)
+    return out
+
+
+def bits_per_weight(rows: list[dict]) -> None:
+    """bits/weight and weight bytes per frame for every row: omni-stream's from its own packed
+    plans (bytes per frame / the weights one frame reads), the peers' from their formats."""
+    omni = {r["precision"]: r for r in rows if r["impl"] == "omni-stream" and r.get("weight_bytes_per_frame")}
+    if "fp32" not in omni:
+        return
+    weights = omni["fp32"]["weight_bytes_per_frame"] / 4  # fp32: 4 bytes per weight
+    for r in rows:
+        if r["impl"] == "omni-stream" and r["precision"] in omni:
+            r["bits_per_weight"] = round(8 * omni[r["precision"]]["weight_bytes_per_frame"] / weights, 2)
+        elif r["impl"] in BITS:
+            r["bits_per_weight"] = BITS[r["impl"]][r["precision"]]
+            r["weight_bytes_per_frame"] = int(weights * r["bits_per_weight"] / 8)
+        r["weights_per_frame"] = int(weights)
+
+
+def _f(v: Any, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(doc: dict) -> str:
+    bw = doc["bandwidth_gbs_by_threads"]
+    fid = {(r["impl"], r["precision"]): r for r in doc["fidelity"]}
+    head = ["precision", "threads", "impl", "talker", "code pred.", "frame (min-max)", "n", "floor",
+            "codec/frame", "fidelity vs fp32"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(doc["rows"], key=lambda r: (PRECISIONS.index(r["precision"]), r["threads"],
+                                                 ["omni-stream", "vox", "qwentts"].index(r["impl"]))):
+        f = fid.get((r["impl"], r["precision"]), {})
+        if "error" in f:
+            fs = "n/a: " + f["error"][:60]
+        elif f.get("compared") == "codes":
+            fs = (f"codes {100 * f['code_match']:.0f}% (cb0 {100 * f['code0_match']:.0f}%), "
+                  f"{f['frames_before_first_difference']}/{f['frames']} frames exact")
+        elif f:
+            fs = f"audio frames {f['frames_before_first_difference']}/{f['frames']} exact (>= {MATCH_DB:.0f} dB)"
+        else:
+            fs = "-"
+        floor = (r["weight_bytes_per_frame"] / (bw[str(r["threads"])] * 1e9) * 1e3
+                 if r.get("weight_bytes_per_frame") and bw.get(str(r["threads"])) else None)
+        if r["n"] == 0:
+            cells = [r["precision"], str(r["threads"]), r["impl"], "failed: " + r.get("error", "?")[:120].replace("\n", " ").replace("|", "/"),
+                     "", "", "0", "", "", fs]
+        else:
+            mm = r["frame_ms_min_max"]
+            cells = [r["precision"], str(r["threads"]), r["impl"], _f(r.get("talker_ms")), _f(r.get("cp_ms")),
+                     f"**{_f(r['frame_ms'])}** ({mm[0]}-{mm[1]})", str(r["n"]), _f(floor),
+                     _f(r.get("codec_ms")), fs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    bw = doc["bandwidth_gbs_by_threads"]
+    return "\n".join([
+        "# omni-stream beside the CPU peers (talker + code predictor per 80 ms frame)", "",
+        f"Command: `{doc['command']}`  ", f"Checkpoint: `{doc['model']}` (random weights, released layout); "
+        f"prompt: \"{TEXT}\", speaker ryan, english, greedy.  ",
+        f"Machine: {m.get('label')}; read bandwidth {bw.get('1')} GB/s on 1 thread, {bw.get('2')} GB/s on 2 "
+        f"(measured at the start); load average at start {m.get('load_avg_at_start')}.  ",
+        f"Peers: " + ", ".join(f"{p['package']}=={p['version']}" for p in doc["peers"].values()) + ".  ",
+        f"Rounds: {doc['rounds']} interleaved (fresh process per run), {doc['frames']} frames per run; "
+        "ms are medians over the n successful runs (min-max of the frame in brackets). The machine is "
+        "shared with other work: single figures move by 10-30 %.", "",
+        "floor = weight bytes one frame reads (talker once + code predictor 15 times) / the measured "
+        "bandwidth at that thread count: no implementation can beat it from DRAM. codec/frame: "
+        "omni-stream and vox decode streaming in 4-frame chunks, qwentts.cpp decodes the utterance "
+        "in one pass; omni-stream's codec is bf16 (its server default), the peers' f32/their GGUF type.",
+        "", table(doc), "",
+        "Fidelity: greedy decoding of the same prompt against omni-stream's exact fp32 torch path "
+        f"over the first {doc['fidelity_frames']} frames. qwentts.cpp: its dumped codes. vox: no codes "
+        "in its API, so its audio against the reference's audio of the same text-streaming prompt (its "
+        f"prompt mode), through the exact fp32 codec, per frame: >= {MATCH_DB:.0f} dB counts as equal codes "
+        "(equal codes measure ~115 dB, a changed code ~0 dB). Random weights have flat logits, so "
+        "agreement under quantization reads pessimistic next to a trained model.", ""]) + "\n"
+
+
+def print_table(doc: dict) -> None:
+    print_machine(doc["machine"])
+    try:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console(width=200).print(Markdown(table(doc)))
+    except ImportError:
+        print(table(doc))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a released-layout checkpoint folder (make-checkpoint --preset 0.6b)")
+    ap.add_argument("--peers", default="vox,qwentts")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--frames", type=int, default=24)
+    ap.add_argument("--fidelity-frames", type=int, default=16)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--no-omni", action="store_true", help="peers only")
+    ap.add_argument("--out", default=str(RESULTS / "peer_bench.json"))
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ck = Path(a.model).resolve()
+    precs = [p for p in a.precisions.split(",") if p]
+    for p in precs:
+        if p not in PRECISIONS:
+            ap.error(f"--precisions: {p!r} is not one of {', '.join(PRECISIONS)}")
+    threads = [int(t) for t in a.threads.split(",")]
+    machine = machine_info()
+    print_machine(machine)
+    work = peer_root() / "models" / checkpoint_key(ck)
+    work.mkdir(parents=True, exist_ok=True)
+    runs_dir = peer_root() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+
+    impls = ([] if a.no_omni else ["omni-stream"]) + [p for p in a.peers.split(",") if p]
+    pythons: dict[str, Path] = {}
+    models: dict[tuple[str, str], Any] = {}
+    setup_errors: dict[tuple[str, str], str] = {}
+    for name in impls[1 if not a.no_omni else 0:]:
+        try:
+            pythons[name] = ensure_venv(PEERS[name])
+        except Exception as e:
+            for p in precs:
+                setup_errors[(name, p)] = f"install: {type(e).__name__}: {e}"
+            continue
+        for p in precs:
+            t0 = time.perf_counter()
+            try:
+                models[(name, p)] = (convert_vox if name == "vox" else convert_qwentts)(pythons[name], ck, work, p)
+                log.info("%s %s: converted (%.0f s)", name, p, time.perf_counter() - t0)
+            except Exception as e:
+                setup_errors[(name, p)] = f"convert: {type(e).__name__}: {e}"
+                log.info("%s %s: conversion failed: %s", name, p, e)
+
+    runs: list[dict] = []
+    for rnd in range(a.rounds):
+        for th in threads:
+            for p in precs:
+                k = rnd % len(impls)
+                for impl in impls[k:] + impls[:k]:  # the order rotates each round
+                    row: dict[str, Any] = dict(impl=impl, precision=p, threads=th, round=rnd)
+                    try:
+                        if (impl, p) in setup_errors:
+                            raise RuntimeError(setup_errors[(impl, p)])
+                        if impl == "omni-stream":
+                            row.update(run_omni(ck, p, th, a.frames, a.timeout))
+                        else:
+                            out = runs_dir / f"{impl}-{p}-t{th}-r{rnd}"
+                            row.update(run_peer(impl, pythons[impl], models[(impl, p)], p, th, a.frames,
+                                                out, a.timeout))
+                        log.info("round %d %-11s %-5s %d thr: talker %.1f + cp %.1f ms/frame, codec %s",
+                                 rnd, impl, p, th, row["talker_ms"], row["cp_ms"], _f(row.get("codec_ms")))
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {e}"
+                        log.info("round %d %-11s %-5s %d thr: FAILED %s", rnd, impl, p, th, row["error"][:300])
+                    runs.append(row)
+    rows = aggregate(runs)
+    bits_per_weight(rows)
+    fid = fidelity(ck, a.fidelity_frames, runs_dir, impls, max(threads))
+    bw = {str(t): machine.get("bandwidth_gbs_1_thread") if t == 1 else machine.get("bandwidth_gbs") for t in threads}
+    doc = dict(model=str(ck), text=TEXT, rounds=a.rounds, frames=a.frames,
+               fidelity_frames=a.fidelity_frames, machine=machine, bandwidth_gbs_by_threads=bw,
+               peers={k: dict(package=v.package, version=v.version) for k, v in PEERS.items() if k in impls},
+               omni_paths=OMNI_PATHS, qwentts_quants=QWENTTS_QUANTS,
+               command="python benchmarks/tts/peer_bench.py " + " ".join(sys.argv[1:]),
+               rows=rows, fidelity=fid, runs=runs)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    out.with_suffix(".md").write_text(markdown(doc))
+    print_table(doc)
+    print(f"wrote {out} and {out.with_suffix('.md').name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
