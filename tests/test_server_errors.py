@@ -52,7 +52,11 @@ BAD_REQUESTS = [
     ({"input": "hi", "model": "gpt-4"}, 400, "model_not_found", "model"),
     ({"input": "hi", "speed": 0.1}, 400, "invalid_value", "speed"),
     ({"input": "hi", "speed": 4.5}, 400, "invalid_value", "speed"),
-    ({"input": "hi", "speed": 1.5}, 400, "unsupported_speed", "speed"),
+    ({"input": "hi", "speed": 0.2}, 400, "invalid_value", "speed"),
+    ({"input": "hi", "speed": 4.1}, 400, "invalid_value", "speed"),
+    ('{"input": "hi", "speed": NaN}', 400, "invalid_value", "speed"),
+    ('{"input": "hi", "speed": Infinity}', 400, "invalid_value", "speed"),
+    ('{"input": "hi", "speed": 1e999}', 400, "invalid_value", "speed"),
     ({"input": "hi", "stream_format": "chunks"}, 400, "invalid_value", "stream_format"),
     ({"input": "hi", "stream_format": "sse", "response_format": "aac"}, 400,
      "invalid_response_format", "response_format"),
@@ -99,7 +103,9 @@ def test_bad_requests_get_openai_errors():
     assert "alloy" in messages['{"input": "hi", "voice": "bogus"}']
     assert "pcm, wav" in messages['{"input": "hi", "response_format": "aac"}']
     assert "`$.speed`" in messages['{"input": "hi", "speed": "fast"}']
-    assert "only 1.0" in messages['{"input": "hi", "speed": 1.5}']
+    for bad in ('{"input": "hi", "speed": 4.1}', '{"input": "hi", "speed": NaN}',
+                '{"input": "hi", "speed": Infinity}', '{"input": "hi", "speed": 1e999}'):
+        assert "between 0.25 and 4.0" in messages[bad], messages[bad]
     assert ok[0] == 200 and len(ok[2]) == expected_frames("x" * 100) * BYTES_PER_FRAME
     assert not served_here(backend) or len(backend.jobs) == 1  # no bad request reached it
 

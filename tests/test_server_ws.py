@@ -188,7 +188,7 @@ def test_bad_events_get_error_events_and_the_session_survives():
                         json.dumps({"type": "input.text", "text": 5}),
                         json.dumps({"type": "session.config", "voice": "bogus"}),
                         json.dumps({"type": "session.config", "response_format": "mp3"}),
-                        json.dumps({"type": "session.config", "speed": 2.0}),
+                        json.dumps({"type": "session.config", "speed": 4.5}),
                         json.dumps({"type": "session.config", "model": "nope"})):
                 await ws.send_str(raw)
                 errors.append(await ws.receive_json())
@@ -209,7 +209,7 @@ def test_bad_events_get_error_events_and_the_session_survives():
     codes = [e["error"]["code"] for e in errors]
     assert all(e["type"] == "error" for e in errors)
     assert codes == ["invalid_json", "invalid_type", "invalid_type", "invalid_type",
-                     "invalid_voice", "invalid_response_format", "unsupported_speed",
+                     "invalid_voice", "invalid_response_format", "invalid_value",
                      "model_not_found", "invalid_event"]
     assert "session.config" in errors[1]["error"]["message"]  # names the known event types
     assert errors[3]["error"]["param"] == "text"

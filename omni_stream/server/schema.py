@@ -15,6 +15,7 @@ cedar -> voices[3]. A backend voice name (any case) is always accepted as itself
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from omni_stream.server.audio import AudioFormat, default_format, supported_form
 from omni_stream.contract import Backend, BackendError, SpeechJob
 from omni_stream.server.errors import ApiError
 from omni_stream.server.settings import ServerSettings
+from omni_stream.server.speed import check_speed, require_speed
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                  "shimmer", "verse", "marin", "cedar")
@@ -79,6 +81,7 @@ class SessionConfig(SynthesisOptions, kw_only=True, tag="session.config", tag_fi
 class InputText(msgspec.Struct, forbid_unknown_fields=True, tag="input.text", tag_field="type"):
     text: str
     context_id: str | None = None  # the client's label for the utterance this text goes to
+    speed: float | None = None  # that utterance's speed; None: the session's
 
 
 class InputDone(msgspec.Struct, forbid_unknown_fields=True, tag="input.done", tag_field="type"):
@@ -213,11 +216,18 @@ def decode_json(data: bytes | str, schema: Any) -> Any:
     """``msgspec.json.decode`` with failures as ApiError naming the field. msgspec refuses a lone
     surrogate escape ("\\ud800") as "Input data was truncated"; such a body is valid JSON to the
     stdlib parser, so on a decode error it is re-read with that to name the character and the
-    field as :func:`check_characters` does for any other control character."""
+    field as :func:`check_characters` does for any other control character. The same re-read
+    names a field sent as NaN or Infinity (Python's json.dumps writes them; JSON has neither);
+    a number too large for a float (1e999) is an invalid value of its field too."""
     try:
         return msgspec.json.decode(data, type=schema)
     except msgspec.ValidationError as e:
-        raise ApiError.from_validation(e) from None
+        err = ApiError.from_validation(e)
+        if str(e).startswith("Number out of range"):
+            err.code = "invalid_value"
+            if err.param == "speed":
+                err.message = f"'speed' must be between 0.25 and 4.0: {e}"
+        raise err from None
     except msgspec.DecodeError as e:
         _check_json_strings(data)
         raise ApiError.from_validation(e) from None
@@ -234,6 +244,11 @@ def _check_json_strings(data: bytes | str) -> None:
     def walk(value: Any, param: str | None) -> None:
         if isinstance(value, str):
             check_characters(value, param)
+        elif isinstance(value, float) and not math.isfinite(value):
+            if param == "speed":
+                check_speed(value)  # raises, naming the range
+            raise ApiError(400, f"'{param}' is {value}: JSON has no NaN or Infinity, send a "
+                           "finite number", code="invalid_value", param=param)
         elif isinstance(value, dict):
             for v in value.values():
                 walk(v, param)
@@ -246,6 +261,17 @@ def _check_json_strings(data: bytes | str) -> None:
             walk(value, key)
     else:
         walk(doc, None)
+
+
+def check_stream_speed(speed: float, stream_codes: bool, param: str = "speed") -> None:
+    """A speed this stream can take: the stretcher installed, and PCM decoded here. Codec
+    frames are decoded by the client, after the server: the server has no audio to stretch, so
+    speed != 1.0 with codec_frames is refused by name (a client stretches what it decodes)."""
+    if speed != 1.0 and stream_codes:
+        raise ApiError(400, f"'{param}' {speed} applies to the PCM this server decodes; with "
+                       "codec_frames the client decodes, so time-stretch there (or ask for pcm)",
+                       code="speed_with_codec_frames", param=param)
+    require_speed(speed, param)
 
 
 def _positive(value: int | None, name: str, upper: int | None = None) -> None:
@@ -266,13 +292,7 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
         raise ApiError(400, f"unknown model '{opts.model}': this server serves '{served}' "
                        f"(aliases: {', '.join(settings.model_aliases)})", code="model_not_found",
                        param="model")
-    if opts.speed is not None:
-        if not 0.25 <= opts.speed <= 4.0:
-            raise ApiError(400, f"'speed' must be between 0.25 and 4.0, got {opts.speed}",
-                           code="invalid_value", param="speed")
-        if opts.speed != 1.0:
-            raise ApiError(400, f"'speed' {opts.speed} is not supported yet: only 1.0 (omit it)",
-                           code="unsupported_speed", param="speed")
+    check_stream_speed(check_speed(opts.speed), stream_codes)
     if opts.seed is not None and not 0 <= opts.seed <= MAX_SEED:
         raise ApiError(400, f"'seed' must be in [0, 2**63 - 1], got {opts.seed}",
                        code="invalid_value", param="seed")
@@ -323,6 +343,7 @@ class SpeechPlan:
     job: SpeechJob
     fmt: AudioFormat
     mode: str  # "audio": chunked audio; "sse": SSE events; "file": whole file
+    speed: float = 1.0  # OpenAI speed: the server time-stretches the stream (server/speed.py)
 
 
 def decode_speech_request(body: bytes) -> SpeechRequest:
@@ -350,4 +371,5 @@ def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings,
     mode = "sse" if sse else ("audio" if req.stream and fmt.streamable else "file")
     text = check_text(req.input, settings)
     job = resolve_options(req, backend, settings, voices=voices)
-    return SpeechPlan(replace(job, text=text, request_id=new_request_id()), fmt, mode)
+    return SpeechPlan(replace(job, text=text, request_id=new_request_id()), fmt, mode,
+                      check_speed(req.speed))

@@ -54,7 +54,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
         plan = replace(plan, job=await st.voices.attach_ref_audio(plan.job, req))
     resp = web.StreamResponse(headers={"X-Request-Id": plan.job.request_id})
     try:
-        async with StreamRun(st.backend, plan.job, st.metrics, plan.mode, t0) as run:
+        async with StreamRun(st.backend, plan.job, st.metrics, plan.mode, t0,
+                             speed=plan.speed) as run:
             first = await run.next()  # ApiError here still becomes a JSON error response
             assert first is not None
             if plan.mode == "file":

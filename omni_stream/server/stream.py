@@ -4,6 +4,11 @@
 the next chunk (None after the final one) and turns every backend failure into an ApiError;
 leaving the block closes the generator (``aclose``) whatever happened, which is how a client
 disconnect or handler cancellation reaches the backend and frees its slot.
+
+With ``speed`` != 1.0 each chunk's PCM goes through the stream's own :class:`Stretcher` (in a
+worker thread: Rubber Band takes ms per chunk) and the final chunk carries its flushed tail;
+``chunk.frames`` still counts the codec frames generated (usage), not the stretched duration.
+A stretcher failure fails this stream (500 ``speed_failed``) and nothing else.
 """
 
 from __future__ import annotations
@@ -11,20 +16,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import AsyncGenerator
+
+import numpy as np
 
 from omni_stream.contract import FRAME_SECONDS, AudioChunk, Backend, BackendError, SpeechJob
 from omni_stream.server.errors import ApiError, internal_error
 from omni_stream.server.metrics import ServerMetrics
+from omni_stream.server.speed import Stretcher, StretchError
 
 log = logging.getLogger(__name__)
 
 
 class StreamRun:
     def __init__(self, backend: Backend, job: SpeechJob, metrics: ServerMetrics, endpoint: str,
-                 t0: float | None = None) -> None:
+                 t0: float | None = None, speed: float = 1.0) -> None:
         self.backend = backend
         self.job = job
+        self.speed = speed  # 1.0: chunks pass untouched (bit-identical to no speed at all)
+        self._stretch: Stretcher | None = None
         self.metrics = metrics
         self.endpoint = endpoint
         self.t0 = time.perf_counter() if t0 is None else t0  # TTFA is measured from here
@@ -76,14 +87,40 @@ class StreamRun:
         except Exception:
             log.exception("%s: backend raised", self.job.request_id)
             raise internal_error(self.job.request_id) from None
+        if self.speed != 1.0 and not chunk.is_event:
+            chunk = await self._stretched(chunk)
         if chunk.final:
             self.final = chunk
         return chunk
 
+    async def _stretched(self, chunk: AudioChunk) -> AudioChunk:
+        """``chunk`` with its PCM time-stretched (the final one with the stretcher's tail)."""
+        assert chunk.codes is None, "speed != 1.0 with codec frames is refused at validation"
+        sr = self.backend.sample_rate
+
+        def work() -> np.ndarray:
+            if self._stretch is None:
+                self._stretch = Stretcher(self.speed, sr)
+            pcm = chunk.pcm if chunk.pcm is not None else np.zeros(0, np.float32)
+            out = self._stretch.push(pcm)
+            return np.concatenate([out, self._stretch.finish()]) if chunk.final else out
+
+        try:
+            pcm = await asyncio.get_running_loop().run_in_executor(None, work)
+        except Exception as e:  # noqa: BLE001 - any stretcher fault fails this stream only
+            if isinstance(e, StretchError):
+                log.error("%s: %s", self.job.request_id, e)
+            else:
+                log.exception("%s: the time-stretch raised", self.job.request_id)
+            raise ApiError(500, f"time-stretch to speed {self.speed} failed "
+                           f"({self.job.request_id}); see the server log",
+                           code="speed_failed", param="speed") from None
+        return replace(chunk, pcm=pcm)
+
     def sent(self, chunk: AudioChunk) -> None:
         """Call after a chunk's bytes were written: feeds time to first audio."""
         self.frames_sent += chunk.frames
-        if not self._first_sent and chunk.frames:
+        if not self._first_sent and chunk.frames and (chunk.pcm is None or chunk.pcm.size):
             self._first_sent = True
             self.metrics.ttfa.labels(self.endpoint).observe(time.perf_counter() - self.t0)
 

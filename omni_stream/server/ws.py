@@ -4,11 +4,17 @@ Client -> server (JSON text messages, field ``type``):
   ``session.config`` {voice, language, instructions, seed, response_format ("pcm"),
       stream_format ("audio": binary frames, default | "sse": JSON delta events),
       codec_frames (bool), split_sentences (bool, default true), text_mode ("sentences",
-      default | "continuous"), max_new_tokens, initial_codec_chunk_frames, greedy, model,
-      ref_audio / ref_text / x_vector_only (cloning)}: applies to the utterances that follow.
+      default | "continuous"), speed (0.25-4.0, default 1.0), max_new_tokens,
+      initial_codec_chunk_frames, greedy, model, ref_audio / ref_text / x_vector_only
+      (cloning)}: applies to the utterances that follow.
   ``input.text`` {text}: appended to the text buffer; with split_sentences every complete
       sentence (terminal punctuation + whitespace, or CJK terminal punctuation) is queued as an
       utterance at once, and a buffer past the input cap is cut at its last space.
+      ``speed`` (optional, 0.25-4.0) sets the speed of the utterance this text goes to (default:
+      the session's): a piece whose speed differs from the buffered text's (or the open
+      continuous utterance's) first closes that one, as another context_id does. The audio is
+      time-stretched, pitch kept (server/speed.py); speed != 1.0 with codec_frames is refused
+      (``speed_with_codec_frames``: the client decodes, so it stretches).
       text_mode "continuous": every piece (any split: mid-word, mid-character sequence) is
       appended to ONE running utterance, spoken while it is written (an LLM's tokens); its text
       is tokenized as far as more text cannot change the tokens, so the speech is exactly that
@@ -86,9 +92,11 @@ from omni_stream.server.audio import to_s16le
 from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob, TextFeed
 from omni_stream.server.errors import ApiError
 from omni_stream.server.schema import (ClientEvent, InputCancel, InputDone, InputText,
-                                       SessionClose, SessionConfig, check_characters, check_text,
-                                       decode_json, new_request_id, resolve_options)
+                                       SessionClose, SessionConfig, check_characters,
+                                       check_stream_speed, check_text, decode_json,
+                                       new_request_id, resolve_options)
 from omni_stream.server.speech import check_ready
+from omni_stream.server.speed import check_speed
 from omni_stream.server.sse import delta_event, error_event
 from omni_stream.server.state import STATE, ServerState
 from omni_stream.server.stream import StreamRun
@@ -126,6 +134,7 @@ class Utterance:
 
     job: SpeechJob
     context_id: str | None = None
+    speed: float = 1.0  # OpenAI speed: its audio is time-stretched by the server
 
     def tag(self, event: dict[str, Any]) -> dict[str, Any]:
         """``event`` with this utterance's request_id and (if any) context_id."""
@@ -162,8 +171,11 @@ class WsSession:
         self.template = resolve_options(self.config, st.backend, st.settings, voices=st.voices)
         self.buffer = ""
         self.buffer_context: str | None = None  # the label of the buffered text
+        self.buffer_speed = 1.0  # the speed of the buffered text
+        self.speed = 1.0  # the session's speed (session.config); input.text may override it
         self.feed: TextFeed | None = None  # the open continuous utterance
         self.feed_context: str | None = None  # its label
+        self.feed_speed = 1.0  # its speed
         self.queue: asyncio.Queue[Utterance | ContextEnd | None] = asyncio.Queue()
         self.current: Utterance | None = None  # the utterance being spoken
         self.current_task: asyncio.Task | None = None  # the task speaking it
@@ -194,6 +206,7 @@ class WsSession:
                 "instructions": t.instructions, "seed": t.seed, "response_format": "pcm",
                 "stream_format": c.stream_format or "audio", "codec_frames": c.codec_frames,
                 "split_sentences": c.split_sentences, "text_mode": c.text_mode or "sentences",
+                "speed": self.speed,
                 "sample_rate": self.st.backend.sample_rate,
                 **({"codec": self.codec()} if self.st.backend.supports_codec_frames else {})}
 
@@ -252,19 +265,22 @@ class WsSession:
             elif isinstance(event, InputText):
                 check_characters(event.text, "text")  # refused whole: the buffer stays clean
                 check_context_id(event.context_id)
+                speed = self.speed if event.speed is None else check_speed(event.speed)
+                check_stream_speed(speed, self.config.codec_frames)
                 if self.continuous:
-                    if self.feed is not None and event.context_id != self.feed_context:
-                        self.close_feed()  # another turn's text: this one is complete
-                    self.append(event.text, event.context_id)
+                    if self.feed is not None and (event.context_id != self.feed_context
+                                                  or speed != self.feed_speed):
+                        self.close_feed()  # another turn's (or speed's) text: this one is done
+                    self.append(event.text, event.context_id, speed)
                     return
-                if event.context_id != self.buffer_context:
+                if event.context_id != self.buffer_context or speed != self.buffer_speed:
                     self.flush_buffer()
-                    self.buffer_context = event.context_id
+                    self.buffer_context, self.buffer_speed = event.context_id, speed
                 pieces, self.buffer = split_sentences(self.buffer + event.text,
                                                       self.st.settings.max_input_chars,
                                                       self.config.split_sentences)
                 for piece in pieces:
-                    self.enqueue(piece, event.context_id)
+                    self.enqueue(piece, event.context_id, speed)
             elif isinstance(event, InputDone):
                 check_context_id(event.context_id)
                 if event.context_id is None or event.context_id == self.feed_context:
@@ -296,7 +312,7 @@ class WsSession:
         """The buffered text (sentences mode) becomes an utterance."""
         text, self.buffer = self.buffer, ""
         if text.strip():
-            self.enqueue(text.strip(), self.buffer_context)
+            self.enqueue(text.strip(), self.buffer_context, self.buffer_speed)
 
     async def end_context(self, context_id: str) -> None:
         """``context.done`` for ``context_id`` right after its last utterance: at once when
@@ -364,7 +380,7 @@ class WsSession:
             await asyncio.wait([task])
         return stopped
 
-    def append(self, text: str, context_id: str | None = None) -> None:
+    def append(self, text: str, context_id: str | None = None, speed: float = 1.0) -> None:
         """Continuous mode: ``text`` joins the open utterance (opening one if none is)."""
         cap = self.st.settings.max_input_chars
         if self.feed is None:
@@ -372,10 +388,10 @@ class WsSession:
                 return
             self.check_pending()
             self.feed = TextFeed()
-            self.feed_context = context_id
+            self.feed_context, self.feed_speed = context_id, speed
             self.queue.put_nowait(Utterance(
                 replace(self.template, text="", request_id=new_request_id("ws"),
-                        text_feed=self.feed), context_id))
+                        text_feed=self.feed), context_id, speed))
         if self.feed.chars + len(text) > cap:
             raise ApiError(400, f"the utterance would pass {cap} characters: this piece was "
                            "refused; close it with input.done and go on in a new one",
@@ -413,12 +429,14 @@ class WsSession:
         # a ref_audio clip is cloned once here and serves every utterance of the session
         self.template = await self.st.voices.attach_ref_audio(template, cfg)
         self.config = cfg
+        self.speed = check_speed(cfg.speed)  # checked with the rest by resolve_options
 
-    def enqueue(self, text: str, context_id: str | None = None) -> None:
+    def enqueue(self, text: str, context_id: str | None = None, speed: float = 1.0) -> None:
         check_text(text, self.st.settings, "text")
         self.check_pending()
         self.queue.put_nowait(Utterance(replace(self.template, text=text,
-                                                request_id=new_request_id("ws")), context_id))
+                                                request_id=new_request_id("ws")), context_id,
+                                        speed))
 
     def check_pending(self) -> None:
         cap = self.st.settings.ws_max_pending_utterances
@@ -467,7 +485,8 @@ class WsSession:
 
     async def speak(self, utt: Utterance) -> None:
         st, sse, job = self.st, self.config.stream_format == "sse", utt.job
-        async with StreamRun(st.backend, job, st.metrics, "ws", time.perf_counter()) as run:
+        async with StreamRun(st.backend, job, st.metrics, "ws", time.perf_counter(),
+                             speed=utt.speed) as run:
             self.current_run = run
             started = False
             offset = 0
@@ -519,6 +538,8 @@ class WsSession:
             start.update(format="codec_frames", dtype="int64")  # dtype of the codes
         else:
             start.update(format="pcm_s16le", channels=1)
+        if utt.speed != 1.0:
+            start["speed"] = utt.speed
         await self.send_json(start)
         prime = job.clone.prime_codes() if job.stream_codes and job.clone else None
         if prime is not None:
