@@ -97,10 +97,12 @@ def ui_base_server(ckpt_factory, tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     """Headless Chromium (Debian's, installed by scripts/setup.sh), driven by Playwright; a
-    fake microphone, and audio that plays without a user gesture."""
+    fake microphone, and audio that plays without a user gesture. One per test module: while
+    Playwright's sync API runs, its event loop is the thread's running loop, and every later
+    ``asyncio.run`` in the session (the API tests' ``run_async``) would fail."""
     from browser_harness import launch
 
     with launch() as b:
