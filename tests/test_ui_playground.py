@@ -267,17 +267,42 @@ def test_a_voice_uploaded_from_the_page_lists_and_speaks(browser, ui_base_server
         p.close()
 
 
-# ------------------------------------------------------------------------ an API key
-@pytest.fixture(scope="module")
-def keyed_server():
+# ------------------------------------------------------------------------ the fake backend
+def _fake_server(**settings):
     from omni_stream.server.app import start_server
     from omni_stream.server.fake_backend import FakeBackend
     from omni_stream.server.settings import ServerSettings
     from omni_stream.server.testing import serving_in_thread
 
-    with serving_in_thread(lambda: start_server(FakeBackend(), "127.0.0.1", 0,
-                                                ServerSettings(api_key="k1"))) as url:
+    return serving_in_thread(lambda: start_server(FakeBackend(), "127.0.0.1", 0,
+                                                  ServerSettings(**settings)))
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with _fake_server(api_key="k1") as url:
         yield url
+
+
+def test_a_context_at_another_rate_resamples(browser):
+    with _fake_server() as url:
+        p = open_page(browser, url + "/?tap&rate=48000")
+        try:
+            p.wait_for_function("document.getElementById('voice').options.length > 0")
+            text = "Resampled in the page."  # the fake speaks 1 + 22 // 4 = 6 frames
+            p.fill("#text", text)
+            _speak_and_wait(p)
+            p.wait_for_function("omniPlayground.stats.state === 'idle'", timeout=WAIT_MS)
+            assert p.evaluate("omniPlayground.contextRate") == 48000
+            assert len(_played(p)) == 6 * 1920 * 2  # the tap: the stream's own samples
+            # 24 kHz in, 48 kHz out: the same duration (the interpolation ends half a sample early)
+            assert abs(p.evaluate("omniPlayground.stats.played_s") - 6 * 0.08) < 0.001
+            assert p.errors == []
+        finally:
+            p.close()
+
+
+# ------------------------------------------------------------------------ an API key
 
 
 def test_the_api_key_is_asked_once_and_a_wrong_one_shows_the_401(browser, keyed_server):

@@ -41,3 +41,67 @@ export async function uploadVoice({clip, filename, name, refText}) {
   const r = await api("/v1/audio/voices", {method: "POST", body: form});
   return r.json();
 }
+
+// ------------------------------------------------------------------------------ the panel
+const $ = (id) => document.getElementById(id);
+const clone = {clip: null, filename: null, recorder: null};
+let app = null; // the page's {guarded, loadVoices}
+
+function cloneSay(text) { $("clone-status").textContent = text; }
+
+function pickFile() {
+  const f = $("clone-file").files[0];
+  if (!f) return;
+  clone.clip = f;
+  clone.filename = f.name;
+  $("clip-info").textContent = `file: ${f.name} (${Math.ceil(f.size / 1024)} KiB)`;
+}
+
+async function record() {
+  const btn = $("record");
+  try {
+    if (clone.recorder === null) {
+      clone.recorder = new Recorder();
+      await clone.recorder.start();
+      btn.textContent = "Stop recording";
+      btn.setAttribute("aria-pressed", "true");
+      cloneSay("recording… speak for 5-15 s");
+    } else {
+      const rec = clone.recorder;
+      clone.recorder = null;
+      btn.textContent = "Record";
+      btn.setAttribute("aria-pressed", "false");
+      clone.clip = await rec.stop();
+      clone.filename = "recording.wav";
+      const seconds = (clone.clip.size - 44) / 2 / CLIP_RATE;
+      $("clip-info").textContent = `recording: ${seconds.toFixed(1)} s`;
+      cloneSay("");
+    }
+  } catch (err) {
+    clone.recorder = null;
+    btn.textContent = "Record";
+    btn.setAttribute("aria-pressed", "false");
+    cloneSay(`cannot record: ${err.message}`);
+  }
+}
+
+async function upload() {
+  if (clone.clip === null) { cloneSay("Pick an audio file or record a clip first."); return; }
+  const name = $("clone-name").value.trim();
+  cloneSay("computing the voice…");
+  const refText = $("clone-text").value.trim();
+  const rec = await app.guarded(
+    () => uploadVoice({clip: clone.clip, filename: clone.filename, name, refText}), cloneSay);
+  if (!rec) return;
+  cloneSay(`voice '${rec.name}' added: it is selected above`);
+  await app.loadVoices(rec.name);
+}
+
+/** Wire the "Clone a voice" panel; `guarded(fn, say)` runs an API call (a 401 asks for the
+ * key), `loadVoices(select)` refreshes the voice picker. */
+export function wireClone(helpers) {
+  app = helpers;
+  $("clone-file").addEventListener("change", pickFile);
+  $("record").addEventListener("click", record);
+  $("upload").addEventListener("click", upload);
+}

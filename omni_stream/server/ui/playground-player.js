@@ -3,7 +3,10 @@
 // rate where the browser allows it (no resampling then); otherwise the worklet resamples.
 
 export class Player {
-  constructor({onStats, onTap}) {
+  /** `contextRate`: run the AudioContext at this rate instead of the stream's (to try the
+   * worklet's resampling: the page's ?rate=48000). */
+  constructor({onStats, onTap, contextRate = null}) {
+    this.contextRate = contextRate;
     this.ctx = null;
     this.node = null;
     this.analyser = null;
@@ -18,7 +21,7 @@ export class Player {
     if (this.ctx === null) {
       let ctx;
       try {
-        ctx = new AudioContext({sampleRate: rate, latencyHint: "interactive"});
+        ctx = new AudioContext({sampleRate: this.contextRate || rate, latencyHint: "interactive"});
       } catch (e) { // a rate this browser cannot run: the worklet resamples
         ctx = new AudioContext({latencyHint: "interactive"});
       }

@@ -7,13 +7,14 @@
 // text; both end at context.done. "Stop" sends input.cancel and flushes the player at once;
 // audio still in flight until audio.cancelled is dropped.
 //
-// For tests, window.omniPlayground exposes the events, the stats and (with ?tap, or
+// ?rate=N runs the AudioContext at N Hz (the worklet resamples). For tests,
+// window.omniPlayground exposes the events, the stats and (with ?tap, or
 // setTap(true)) the PCM the worklet received, as Int16Array chunks in `received`, and when
 // each binary frame arrived (`arrivals`).
 
 import {api, ApiError, apiKey, setApiKey, Session} from "./playground-api.js";
 import {Player, drawWaveform} from "./playground-player.js";
-import {Recorder, uploadVoice} from "./playground-clone.js";
+import {wireClone} from "./playground-clone.js";
 import {wavBlob} from "./playground-wav.js";
 
 const $ = (id) => document.getElementById(id);
@@ -24,13 +25,16 @@ const pg = {
   arrivals: [], // [performance.now(), samples] per binary frame played
   stats: {},
   get request() { return req; }, // the running or last request (its `pcm`: the bytes received)
+  get contextRate() { return player.sampleRate; },
   setTap(on) { player.setTap(on); },
   clearReceived() { this.received = []; this.arrivals = []; },
 };
 window.omniPlayground = pg;
 
-const player = new Player({onStats, onTap: (pcm) => pg.received.push(pcm)});
-player.tap = new URLSearchParams(location.search).has("tap");
+const params = new URLSearchParams(location.search);
+const player = new Player({onStats, onTap: (pcm) => pg.received.push(pcm),
+                          contextRate: Number(params.get("rate")) || null});
+player.tap = params.has("tap");
 const session = new Session({onEvent, onAudio, onClose});
 const kickWaveform = drawWaveform($("wave"), player, () => player.stats.state !== "idle");
 
@@ -329,58 +333,6 @@ async function download() {
   say(`downloaded omni-stream.${fmt}`);
 }
 
-// ------------------------------------------------------------------------------ cloning
-const clone = {clip: null, filename: null, recorder: null};
-
-function cloneSay(text) { $("clone-status").textContent = text; }
-
-function pickFile() {
-  const f = $("clone-file").files[0];
-  if (!f) return;
-  clone.clip = f;
-  clone.filename = f.name;
-  $("clip-info").textContent = `file: ${f.name} (${Math.ceil(f.size / 1024)} KiB)`;
-}
-
-async function record() {
-  const btn = $("record");
-  try {
-    if (clone.recorder === null) {
-      clone.recorder = new Recorder();
-      await clone.recorder.start();
-      btn.textContent = "Stop recording";
-      btn.setAttribute("aria-pressed", "true");
-      cloneSay("recording… speak for 5-15 s");
-    } else {
-      const rec = clone.recorder;
-      clone.recorder = null;
-      btn.textContent = "Record";
-      btn.setAttribute("aria-pressed", "false");
-      clone.clip = await rec.stop();
-      clone.filename = "recording.wav";
-      const seconds = (clone.clip.size - 44) / 2 / 24000;
-      $("clip-info").textContent = `recording: ${seconds.toFixed(1)} s`;
-      cloneSay("");
-    }
-  } catch (err) {
-    clone.recorder = null;
-    btn.textContent = "Record";
-    btn.setAttribute("aria-pressed", "false");
-    cloneSay(`cannot record: ${err.message}`);
-  }
-}
-
-async function upload() {
-  if (clone.clip === null) { cloneSay("Pick an audio file or record a clip first."); return; }
-  const name = $("clone-name").value.trim();
-  cloneSay("computing the voice…");
-  const rec = await guarded(() => uploadVoice({clip: clone.clip, filename: clone.filename, name,
-                                              refText: $("clone-text").value.trim()}), cloneSay);
-  if (!rec) return;
-  cloneSay(`voice '${rec.name}' added: it is selected above`);
-  await loadVoices(rec.name);
-}
-
 // ------------------------------------------------------------------------------ wiring
 function wire() {
   $("speak-form").addEventListener("submit", (e) => { e.preventDefault(); speak(); });
@@ -395,9 +347,7 @@ function wire() {
     if ($("typing").checked) typing.sent = "";
     else finishTyping();
   });
-  $("clone-file").addEventListener("change", pickFile);
-  $("record").addEventListener("click", record);
-  $("upload").addEventListener("click", upload);
+  wireClone({guarded, loadVoices});
   document.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) {
       e.preventDefault();
