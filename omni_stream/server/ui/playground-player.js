@@ -72,33 +72,48 @@ export class Player {
   }
 }
 
-/** Draw what is playing (the analyser's last 2048 samples) on `canvas` while `busy()`. */
-export function drawWaveform(canvas, player, busy) {
+/** Draw what is playing (the analyser's last 2048 samples, as a min/max envelope per pixel
+ * column) on `canvas`, at most `fps` times a second, while `busy()`. */
+export function drawWaveform(canvas, player, busy, fps = 20) {
   const g = canvas.getContext("2d");
   const buf = new Float32Array(2048);
   const style = getComputedStyle(canvas);
   const line = style.getPropertyValue("--wave").trim() || "#2563eb";
   const flat = style.getPropertyValue("--wave-idle").trim() || "#94a3b8";
   let running = false;
+  let last = -Infinity;
 
-  function frame() {
+  function draw(live) {
     const {width: w, height: h} = canvas;
     g.clearRect(0, 0, w, h);
-    const live = player.analyser !== null && busy();
     if (live) player.analyser.getFloatTimeDomainData(buf);
-    g.lineWidth = 2;
-    g.strokeStyle = live ? line : flat;
-    g.beginPath();
+    g.fillStyle = live ? line : flat;
+    const per = buf.length / w;
     for (let x = 0; x < w; x++) {
-      const v = live ? buf[Math.floor((x * buf.length) / w)] : 0;
-      const y = h / 2 - v * (h / 2) * 0.95;
-      if (x === 0) g.moveTo(x, y); else g.lineTo(x, y);
+      let lo = 0, hi = 0;
+      if (live) {
+        lo = hi = buf[Math.floor(x * per)];
+        for (let i = Math.floor(x * per) + 1; i < Math.floor((x + 1) * per); i++) {
+          lo = Math.min(lo, buf[i]);
+          hi = Math.max(hi, buf[i]);
+        }
+      }
+      const top = Math.round(h / 2 - hi * (h / 2) * 0.95);
+      const bottom = Math.round(h / 2 - lo * (h / 2) * 0.95);
+      g.fillRect(x, top, 1, Math.max(1, bottom - top));
     }
-    g.stroke();
+  }
+
+  function frame(now) {
+    const live = player.analyser !== null && busy();
+    if (!live || now - last >= 1000 / fps) {
+      draw(live);
+      last = now;
+    }
     running = live;
     if (live) requestAnimationFrame(frame);
   }
 
-  frame();
-  return () => { if (!running) frame(); }; // call when playback starts
+  draw(false);
+  return () => { if (!running) { running = true; requestAnimationFrame(frame); } };
 }

@@ -148,7 +148,6 @@ async function prepare(textMode) {
         throw new Error(`${k === "seed" ? "Seed" : "Max frames"} must be a whole number`);
       }
     }
-    await player.ensure(serverRate);
     if (!session.open) {
       try {
         await session.connect();
@@ -157,6 +156,7 @@ async function prepare(textMode) {
         throw err;
       }
     }
+    await player.ensure(serverRate); // after session.created, which says the rate
     const answer = new Promise((resolve, reject) => { configured = {resolve, reject}; });
     session.send({type: "session.config", ...opts, text_mode: textMode});
     await answer;
