@@ -4,6 +4,7 @@ driven by Playwright, as the browser tests run it).
 
     .venv/bin/python scripts/screenshots.py             # every page
     .venv/bin/python scripts/screenshots.py dashboard   # docs/dashboard.png only
+    .venv/bin/python scripts/screenshots.py playground  # docs/playground.png only
 
 Each page has one function in ``SHOTS``: ``shot(browser, url, out_dir) -> Path``.
 """
@@ -93,7 +94,29 @@ def dashboard(browser, url: str, out_dir: Path, seconds: float = 25.0) -> Path:
     return out
 
 
-SHOTS: dict[str, Callable[..., Path]] = {"dashboard": dashboard}
+def playground(browser, url: str, out_dir: Path) -> Path:
+    """docs/playground.png: the playground while it plays a request, after its last chunk came
+    (TTFA and RTF shown, the waveform moving)."""
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(url + "/")
+        page.wait_for_function("document.getElementById('voice').options.length > 0")
+        page.select_option("#voice", "ryan")
+        page.select_option("#language", "english")
+        page.fill("#seed", "7")
+        page.click("#speak")
+        page.wait_for_function("omniPlayground.events.some(e => e.type === 'audio.done') && "
+                               "omniPlayground.stats.state === 'playing'", timeout=60_000)
+        page.evaluate("document.activeElement.blur()")
+        time.sleep(0.3)  # a few waveform frames
+        out = out_dir / "playground.png"
+        page.screenshot(path=str(out), full_page=True)
+    finally:
+        page.close()
+    return out
+
+
+SHOTS: dict[str, Callable[..., Path]] = {"dashboard": dashboard, "playground": playground}
 
 
 def main() -> None:
