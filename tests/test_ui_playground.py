@@ -183,6 +183,11 @@ def test_seeded_playback_is_the_servers_pcm_without_underruns(page, ui_server):
     with wave.open(str(got.value.path()), "rb") as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (RATE, 1, 2)
         assert w.readframes(w.getnframes()) == played.astype("<i2").tobytes()
+    page.select_option("#format", "pcm")
+    with page.expect_download(timeout=WAIT_MS) as got:  # other formats: the server encodes
+        page.click("#download")
+    again = np.frombuffer(got.value.path().read_bytes(), "<i2").astype(np.int32)
+    assert again.size == played.size and np.abs(again - played).max() <= 1
     assert page.errors == []
 
 
