@@ -12,19 +12,19 @@ from safetensors import safe_open
 
 gguf = pytest.importorskip("gguf")
 
-from benchmarks.tts.peers import gguf_convert as gc  # noqa: E402
-from benchmarks.tts.peers.setup import PEERS, Peer  # noqa: E402
-from benchmarks.tts.peers.vox_build import vox_build_command  # noqa: E402
+from benchmarks.tts.peers import gguf_convert as gc
+from benchmarks.tts.peers.setup import PEERS, Peer
+from benchmarks.tts.peers.vox_build import vox_build_command
 
 
-def _kv(reader: "gguf.GGUFReader") -> dict:
+def _kv(reader: gguf.GGUFReader) -> dict:
     out = {}
     for name, field in reader.fields.items():
         out[name] = field.contents()
     return out
 
 
-def _tensors(reader: "gguf.GGUFReader") -> dict:
+def _tensors(reader: gguf.GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 

@@ -26,14 +26,25 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-__all__ = ["QUANTS", "TALKER_ARCH", "CODEC_ARCH", "GgmlQuantizer", "talker_tensor_name",
-           "codec_tensor_name", "talker_metadata", "codec_metadata", "target_type",
-           "write_talker_gguf", "write_codec_gguf"]
+__all__ = [
+    "CODEC_ARCH",
+    "QUANTS",
+    "TALKER_ARCH",
+    "GgmlQuantizer",
+    "codec_metadata",
+    "codec_tensor_name",
+    "talker_metadata",
+    "talker_tensor_name",
+    "target_type",
+    "write_codec_gguf",
+    "write_talker_gguf",
+]
 
 TALKER_ARCH = "qwen3-tts"
 CODEC_ARCH = "qwen3-tts-tokenizer"

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Peer", "PEERS", "peer_root", "ensure_venv"]
+__all__ = ["PEERS", "Peer", "ensure_venv", "peer_root"]
 
 
 @dataclass(frozen=True)
