@@ -15,9 +15,10 @@ Reads every ``*.json`` under ``--results`` (default benchmarks/tts/results/) and
                 same benchmark exists that does not give the number) and, for a number that
                 cannot be computed, null plus the reason (``missing``). Nothing is estimated or
                 carried over from an earlier summary.
-  plots/        TTFA p50/p95 and RTF vs concurrency (one line per stream_latency*.json run) and
-                a chunk-arrival timeline of one stream: cumulative audio delivered vs real-time
-                playback started at the first chunk (below the line = the player starves).
+  plots/        benchmarks/tts/plots.py's (the one plotting script; it also runs alone).
+
+The page to read first is results/README.md (one page, hand-written from the latest JSONs);
+SUMMARY.md is its appendix: every table of every JSON.
 
     python benchmarks/tts/summarize.py [--results DIR] [--no-plots]
 
@@ -805,95 +806,6 @@ def build_summary(files: dict[str, tuple[float, Any]], decode_chunk: int,
 
 
 # ----------------------------------------------------------------------------- plots
-def plot_all(files: dict[str, tuple[float, Any]], plots: Path, timeline: str | None,
-             t_conc: int | None, t_stream: int | None) -> list[tuple[str, str]]:
-    """Write the PNGs; returns (title, path relative to the results folder)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.ticker
-    import matplotlib.pyplot as plt
-
-    plots.mkdir(parents=True, exist_ok=True)
-    runs = latency_runs(files)
-    made: list[tuple[str, str]] = []
-    if not runs:
-        return made
-
-    def _conc_axis(ax, runs) -> None:  # log2 axis labelled with the tested levels
-        levels = sorted({s["concurrency"] for _, d in runs for s in d["summaries"]})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, labels=[str(c) for c in levels])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-
-    def label(name: str, d: dict) -> str:
-        return str(d.get("label") or d.get("model") or Path(name).stem)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, d) in enumerate(runs):
-        s = sorted(d["summaries"], key=lambda x: x["concurrency"])
-        c = [x["concurrency"] for x in s]
-        line, = ax.plot(c, [x["ttfa_ms_p50"] for x in s], "o-", label=f"{label(name, d)} p50")
-        ax.plot(c, [x["ttfa_ms_p95"] for x in s], "s--", color=line.get_color(),
-                label=f"{label(name, d)} p95")
-    ax.set(xlabel="concurrent streams", ylabel="time to first audio (ms)", title="TTFA vs concurrency")
-    _conc_axis(ax, runs)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plots / "ttfa_vs_concurrency.png", dpi=120)
-    plt.close(fig)
-    made.append(("TTFA p50/p95 vs concurrency", "plots/ttfa_vs_concurrency.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, d in runs:
-        s = sorted(d["summaries"], key=lambda x: x["concurrency"])
-        ax.plot([x["concurrency"] for x in s], [x["rtf_mean"] for x in s], "o-", label=label(name, d))
-    ax.axhline(1.0, color="grey", lw=1, ls=":", label="real time (RTF 1)")
-    ax.set(xlabel="concurrent streams", ylabel="RTF (wall / audio, lower is better)",
-           title="Real-time factor vs concurrency")
-    _conc_axis(ax, runs)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plots / "rtf_vs_concurrency.png", dpi=120)
-    plt.close(fig)
-    made.append(("RTF vs concurrency", "plots/rtf_vs_concurrency.png"))
-
-    src = [(n, d) for n, d in runs if n == timeline] if timeline else runs
-    src = [(n, d) for n, d in src if d.get("streams")]
-    if not src:
-        return made
-    name, d = src[0]
-    levels = sorted(d["streams"], key=int)
-    lv = str(t_conc) if t_conc is not None and str(t_conc) in d["streams"] else levels[-1]
-    streams = d["streams"][lv]
-    idx = t_stream if t_stream is not None and 0 <= t_stream < len(streams) else max(
-        range(len(streams)), key=lambda i: streams[i].get("max_gap_ms", 0))
-    st = streams[idx]
-    arr, dur = st["arrivals_s"], st["durations_s"]
-    cum, total = [], 0.0
-    for x in dur:
-        total += x
-        cum.append(total)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.step([0.0] + arr, [0.0] + cum, where="post", label="audio delivered (cumulative)")
-    t0 = arr[0]
-    ax.plot([t0, t0 + total], [0, total], "k--", lw=1, label="real-time playback from first chunk")
-    ax.plot(arr, cum, ".", ms=4)
-    ax.set(xlabel="time since request (s)", ylabel="audio (s)",
-           title=f"{label(name, d)}: stream {idx} at concurrency {lv} "
-                 f"(TTFA {st['ttfa_ms']:.0f} ms, {st['underruns']} underruns)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = f"plots/timeline_{Path(name).stem}.png"
-    fig.savefig(plots.parent / out, dpi=120)
-    plt.close(fig)
-    made.append((f"Chunk arrivals vs playback: {name}, concurrency {lv}, stream {idx}", out))
-    return made
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -901,9 +813,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--decode-chunk", type=int, default=4,
                     help="chunk size for stateful_vs_window_decode_ratio (code2wav_bench rows)")
-    ap.add_argument("--timeline", default=None, help="stream_latency*.json file name for the timeline")
-    ap.add_argument("--timeline-concurrency", type=int, default=None, help="default: highest level")
-    ap.add_argument("--timeline-stream", type=int, default=None, help="default: largest max gap")
     args = ap.parse_args(argv)
     res: Path = args.results
     if not res.is_dir():
@@ -929,12 +838,17 @@ def main(argv: list[str] | None = None) -> int:
     plots, plot_msg = [], ""
     if not args.no_plots:
         try:
-            plots = plot_all(files, res / "plots", args.timeline, args.timeline_concurrency,
-                             args.timeline_stream)
+            if str(ROOT) not in sys.path:
+                sys.path.insert(0, str(ROOT))
+            from benchmarks.tts.plots import make_all
+
+            plots = make_all(res)
         except ImportError:
             plot_msg = ("matplotlib is not installed: plots skipped. Install it with "
                         "`pip install matplotlib` (or pass --no-plots).")
     md = ["# omni-stream TTS benchmark results", "",
+          "The one-page summary is [README.md](README.md); this is its appendix, every table of "
+          "every result JSON.", "",
           f"Generated by `benchmarks/tts/summarize.py` at {summary['generated_at']} from the JSON "
           "files in this folder; do not edit, re-run the script.", "", "## Headline numbers", "",
           "Each number comes from the latest run that gives it (when a run happened: its "
