@@ -226,13 +226,13 @@ def test_packed_weights_kept_on_disk_give_the_same_codes(tiny_model, tmp_path, c
     ref = _run(tiny_model, first, SamplingParams(), [3, 4], 8)
     again = engine("q4")
     with pytest.raises(ValueError, match="pack cache"):
-        again.native.head.dequantized()  # loaded, not packed
+        again.runtime.head.dequantized()  # loaded, not packed
     for a, b in zip(ref, _run(tiny_model, again, SamplingParams(), [3, 4], 8)):
         np.testing.assert_array_equal(a, b)
     before = path.stat().st_mtime_ns
     q8 = engine("q8")  # the file holds q4 products: repacked as q8 and rewritten
     assert "does not fit" in caplog.text and path.stat().st_mtime_ns != before
-    q8.native.head.dequantized()
+    q8.runtime.head.dequantized()
     path.write_bytes(b"not a safetensors file")
     engine("q4")
     assert "ignoring the pack cache" in caplog.text
@@ -290,8 +290,8 @@ def test_nan_hidden_state_fails_only_its_row(tiny_model):
         for i, r in enumerate(REQS):
             p = builder.build(r)
             eng.prefill(i, p.embeds, p.trailing, SamplingParams(), i)
-        eng.last_hidden[1] = float("nan")
-        codes = eng._predict_residual(2)
+        eng.inject_fault(1, "code_predictor")
+        codes = eng.predict_residual(2)
     assert bool((codes[1] == INVALID).all()) and bool((codes[0] >= 0).all())
 
 
@@ -449,7 +449,7 @@ def test_lent_threads_never_change_the_codes(tiny_model):
             stop.set()
             if flipper:
                 flipper.join()
-        own, lent = eng.native.pool.jobs()
+        own, lent = eng.runtime.pool.jobs()
         for a, b in zip(ref, got):
             np.testing.assert_array_equal(a, b, err_msg=mode)
         if mode == "free":

@@ -190,10 +190,7 @@ def test_a_poisoned_row_is_invalid_and_leaves_the_others_and_its_slot_clean(synt
             eng.prefill(i, p.embeds, p.trailing, params, seeds[i])
         for f in range(frames):
             if f == bad_at:
-                if where == "talker":
-                    eng.trailing[1] = float("nan")
-                else:
-                    eng.last_hidden[1] = float("nan")
+                eng.inject_fault(1, "talker" if where == "talker" else "code_predictor")
             codes, code0 = eng.step(3)
             if f == bad_at:
                 assert code0[1].item() == INVALID and code0[0].item() != INVALID

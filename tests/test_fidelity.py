@@ -1,7 +1,7 @@
 """Teacher-forced fidelity of the code predictor (evaluation.fidelity) and ``omni-stream fidelity``.
 
 - the teacher-forced logits are the decode's own: fed an engine's greedy codes, their argmax is
-  what ``_predict_residual`` drew, on the torch engine and on the CPU runtime, and torch and
+  what ``predict_residual`` drew, on the torch engine and on the CPU runtime, and torch and
   the runtime's exact (f32) weights agree to > 60 dB on the same inputs;
 - a path against itself is inf dB and agreement 1 per codebook; int8 is finite and closer to
   fp32 than int4;
@@ -39,14 +39,14 @@ def _frames(model, kind: str | None, frames: int = 6):
     with torch.inference_mode():
         eng.prefill(0, p.embeds, p.trailing, SamplingParams.greedy(), 0)
         for _ in range(frames):
-            res = eng._predict_residual(1)
+            res = eng.predict_residual(1)
             h, c0 = eng.last_hidden[:1].clone(), int(eng.last_code0[0])
             logits = eng.cp_logits_teacher_forced(h, c0, res[0])
             assert logits.shape == (15, eng.codebook_size) and logits.dtype == torch.float32
             assert torch.equal(logits.argmax(-1), res[0]), (kind, len(out))
             out.append((h, c0, res[0], logits))
-            eng.residual_fn = lambda _p, r=res: r
-            eng.step(1)
+            with eng.residual_given(res):
+                eng.step(1)
     return eng, out
 
 

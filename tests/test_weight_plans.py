@@ -74,7 +74,7 @@ def _cfg(preset: str) -> ModelConfig:
 def test_the_priced_bytes_are_the_bytes_the_runner_packs(tiny_model, path):
     eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=1, max_seq_len=64))
     eng.use_native(plan=NATIVE_PLANS[path], threads=1)
-    n = eng.native
+    n = eng.runtime
     size = lambda pk: sum(t.numel() * t.element_size() for t in pk.tensors)  # noqa: E731
     talker = sum(size(x) for layer in n.talker.layers for x in layer) + size(n.head)
     sub = sum(size(x) for layer in n.cp.layers for x in layer) + size(n.cp_heads[0])
@@ -102,7 +102,7 @@ def test_a_mixed_plan_runs_end_to_end_and_reloads_from_the_pack_cache(tiny_model
     for _ in range(2):  # packs and writes the cache, then reads it
         eng = FrameEngine(tiny_model.weights.talker, EngineShape(max_slots=1, max_seq_len=128))
         eng.use_native(plan=plan, threads=1, pack_cache=tmp_path / "packed.safetensors")
-        kinds = [pk.struct.kind for pk in eng.native.talker.layers[0]]
+        kinds = [pk.struct.kind for pk in eng.runtime.talker.layers[0]]
         assert kinds == [packing.KINDS[k] for k in ("q8", "q8", "q8", "q6")]
         with torch.inference_mode():
             eng.prefill(0, p.embeds, p.trailing, SamplingParams.greedy(), 0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import torch
 
 from omni_stream.checkpoints.io import load_model
@@ -96,7 +95,7 @@ class Driver:
         for k in range(12):
             self.step(held=(1,) if 3 <= k < 7 else ())  # stream 1 waits (no text) 4 steps
             if poison is not None and k == 5 and poison in self.slot_of:
-                self.e.trailing[self.slot_of[poison]] = float("nan")
+                self.e.inject_fault(self.slot_of[poison], "talker")
         if 0 in self.slot_of:
             self._end(0, "cancelled")
         self.prefill(3, 0)  # slot 0 again: a fresh request
@@ -118,7 +117,7 @@ def scenario(ckpt: str, dtype: str, max_frames: int = 60, poison: int | None = N
             out[name] = Driver(engine, builder, _requests(model), SamplingParams.greedy(),
                                max_frames).run(poison)
         if name == "vllm":
-            v = engine.vllm
+            v = engine.runtime
             out["vllm_left"] = {"requests": sum(r is not None for r in v.req),
                                 "scheduler": len(v.scheduler.requests),
                                 "kv_usage": float(v.scheduler.kv_cache_manager.usage)}

@@ -90,10 +90,9 @@ def speed_worker(a: argparse.Namespace) -> dict:
                 eng.prefill(slot, p.embeds, p.trailing, SamplingParams(), slot)
             for _ in range(2):
                 eng.step(batch)
-            cp_ms = median_ms(lambda: eng._predict_residual(batch), a.frames)
-            res = eng._predict_residual(batch)
-            eng.residual_fn = lambda _p, r=res: r  # the talker step alone
-            talker_ms = median_ms(lambda: eng.step(batch), a.frames)
+            cp_ms = median_ms(lambda: eng.predict_residual(batch), a.frames)
+            with eng.residual_given(eng.predict_residual(batch)):  # the talker step alone
+                talker_ms = median_ms(lambda: eng.step(batch), a.frames)
         out[f"talker_ms_b{batch}"] = talker_ms
         out[f"cp_frame_ms_b{batch}"] = cp_ms
         out[f"cp_substep_ms_b{batch}"] = cp_ms / 15
@@ -108,10 +107,11 @@ def _frame_bytes(eng) -> int:
     """Weight bytes one frame reads: the talker's layers and head once, the code predictor's
     layers 15 times and one of its heads per sub-step (the native runner's: its plan's bytes,
     ``engine.cpu.plans.frame_weight_bytes``, equal to what it packed)."""
-    if eng.native is not None:
+    plan = getattr(eng.runtime, "plan", None)  # a weight plan: the CPU runtime's
+    if plan is not None:
         from omni_stream.engine.cpu.plans import frame_weight_bytes
 
-        return frame_weight_bytes(eng.cfg, eng.native.plan)
+        return frame_weight_bytes(eng.cfg, plan)
     t = eng.talker
     size = lambda mod: sum(b.numel() * b.element_size() for b in [*mod.parameters(), *mod.buffers()])  # noqa: E731
     cp = t.code_predictor

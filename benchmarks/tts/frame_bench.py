@@ -86,7 +86,7 @@ def worker(args: argparse.Namespace) -> dict:
         for _ in range(2):
             eng.step(1)
         step_ms = median_ms(lambda: eng.step(1), args.frames)
-        cp_ms = median_ms(lambda: eng._predict_residual(1), args.frames)
+        cp_ms = median_ms(lambda: eng.predict_residual(1), args.frames)
         stream = Code2WavStream(model.code2wav, max_slots=1)
         codes = torch.randint(0, 2048, (1, g, 1))
         for _ in range(2):

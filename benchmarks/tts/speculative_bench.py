@@ -1,7 +1,7 @@
 """Speculative code prediction (``omni_stream.engine.speculative``) against the plain code
 predictor, on the native CPU runtime (a weight path, e.g. the default ``mixed``) or the torch
 engine: ms per code-predictor frame (the 15 codes of one frame, timed
-around the engine's ``residual_fn`` alone), verification passes per frame and the share of
+around the engine's residual source alone), verification passes per frame and the share of
 drafts accepted, for each draft depth and lookahead, greedy and sampled (the default
 sub-sampling), on each checkpoint given (e.g. the plain and the outliers 0.6B).
 
@@ -46,7 +46,7 @@ def run(model, path, a, params, spec=None) -> dict:
     eng = FrameEngine(talker, EngineShape(max_slots=1, max_seq_len=512))
     attach_engine(eng, a.engine, a.weight_path, a.threads, model_path=path)
     stats = speculative.enable(eng, *spec).stats if spec else None
-    inner, times = eng.residual_fn, []
+    inner, times = eng.residual_source, []
 
     def timed(p: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def run(model, path, a, params, spec=None) -> dict:
         times.append(time.perf_counter() - t0)
         return out
 
-    eng.residual_fn = timed
+    eng.use_residual(timed)
     prompt = PromptBuilder(model.config, talker, model.tokenizer).build(
         PromptRequest(text=TEXT, language="english", speaker="ryan"))
     codes = []

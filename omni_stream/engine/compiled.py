@@ -86,7 +86,7 @@ def warm_up(engine, frames: int = 2, code_predictor_only: bool = False) -> float
     if code_predictor_only:
         for p in range(1, slots + 1):
             for _ in range(frames):
-                engine._predict_residual(p)
+                engine.predict_residual(p)
         return time.perf_counter() - t0
     c = engine.talker.model.cfg.hidden_size
     embeds = torch.zeros(20, c, dtype=engine.dtype, device=engine.device)  # >= 16 rows: AMX too

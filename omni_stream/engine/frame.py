@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from omni_stream.config import TalkerConfig
-from omni_stream.engine.step import KVCache, Rope, run_step
+from omni_stream.engine.runtime import TalkerRuntime
+from omni_stream.engine.step import KVCache, Rope
 from omni_stream.engine.sampling import (INVALID, SamplingParams, SlotSampling, apply_repetition_penalty,
                                          candidates_needed, sample)
 from omni_stream.models.talker import Talker
@@ -111,13 +112,11 @@ class FrameEngine:
         # static_live: attend over the whole cache with a mask instead of slicing to the live
         # length (no host sync: required for CUDA-graph capture; see omni_stream.engine.graphs)
         self.static_live = False
-        # where codes 1..G-1 come from: this process (default) or a remote code-predictor
-        # stage (omni_stream.stages.cp_stage.RemoteResidual); same contract as _predict_residual
-        self.residual_fn = self._predict_residual
-        # the CPU runtime (engine/cpu): None runs the step with torch ops
-        self.native = None
-        # vLLM running the talker decoder and its KV (engine/vllm): None keeps them here
-        self.vllm = None
+        # what computes the step (engine.runtime): torch ops until use_native / use_vllm
+        self.runtime: TalkerRuntime = TalkerRuntime(self)
+        # where codes 1..G-1 come from when not from the runtime's code predictor: a remote
+        # code-predictor stage, speculative prediction (use_residual)
+        self._residual_source = None
 
     def use_native(self, talker_kind: str = "q4", cp_kind: str = "q4",
                    threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
@@ -132,8 +131,10 @@ class FrameEngine:
 
         if self.device.type != "cpu":
             raise ValueError(f"the CPU runtime runs on the CPU, not {self.device}")
-        self.native = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
-                                   lease=lease, pack_cache=pack_cache, plan=plan)
+        if self.runtime.name != "torch":
+            raise ValueError(f"this engine already runs on {self.runtime.name}: pick one runtime")
+        self.runtime = NativeRunner(self, talker_kind, cp_kind, threads, lent_cpus=lent_cpus,
+                                    lease=lease, pack_cache=pack_cache, plan=plan)
 
     def use_vllm(self, model_path, threads: int | None = None) -> None:
         """Run the talker decoder and its KV cache on vLLM (``engine/vllm``): its scheduler
@@ -143,9 +144,10 @@ class FrameEngine:
         talker cache."""
         from omni_stream.engine.vllm.runner import VllmTalker
 
-        if self.native is not None:
-            raise ValueError("the vLLM engine and the CPU runtime are two engines: pick one")
-        self.vllm = VllmTalker(self, model_path, threads)
+        if self.runtime.name != "torch":
+            raise ValueError(f"this engine already runs on {self.runtime.name}: the vLLM engine "
+                             "and the CPU runtime are two engines, pick one")
+        self.runtime = VllmTalker(self, model_path, threads)
         self.kv = KVCache(self.cfg.lm, self.shape.max_slots, 1, self.kv.layers[0][0].dtype, self.device)
         # vLLM holds the decoder's weights now: drop this copy (the embeddings, heads and code
         # predictor stay; 1.7 GB at 0.6B in fp32)
@@ -169,22 +171,10 @@ class FrameEngine:
             raise ValueError(f"a piece ending at {start + t} does not fit a prompt of {total} positions")
         if start == 0:
             self._reset_slot(slot, trailing, params, seed)
-            if self.vllm is not None:
-                if total is None and not final:
-                    raise ValueError("the vLLM engine needs the prompt's length (total) with its "
-                                     "first piece")
-                self.vllm.start(slot, total if total is not None else t)
+            self.runtime.start(slot, total if total is not None else (t if final else None))
         elif int(self.pos[slot]) != start:
             raise ValueError(f"slot {slot} holds {int(self.pos[slot])} prompt positions, not {start}")
-        x = embeds.to(self.dtype).unsqueeze(0)
-        pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        if self.native is not None:
-            hidden = self.native.talker_step(x[0], torch.full((t,), slot), pos[0])[-1:].to(self.dtype)
-        elif self.vllm is not None:
-            hidden = self.vllm.talker_step(x[0], torch.full((t,), slot), pos[0])[-1:]
-        else:
-            hidden = run_step(self.talker.model, self.kv, self.rope, x, pos, slice(slot, slot + 1),
-                              self._arange[slot:slot + 1], start)[:, -1]  # [1, C]
+        hidden = self.runtime.prefill(slot, embeds.to(self.dtype), start)  # [1, C]
         self.pos[slot] = start + t
         if not final:
             return None
@@ -263,8 +253,7 @@ class FrameEngine:
         """The slot's stream is over: stop advancing it (its state is reset by the next prefill)."""
         self.active[slot] = False
         self._cand_talk[slot] = self._cand_cp[slot] = 1
-        if self.vllm is not None:
-            self.vllm.release(slot)
+        self.runtime.release(slot)
 
     def scrub(self, slot: int) -> None:
         """Release a slot whose stream failed and wipe what it may have poisoned: its KV rows
@@ -288,9 +277,7 @@ class FrameEngine:
     # ------------------------------------------------------------------ the frame step
     def talker_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The codec head on normed hidden states [B, C] -> fp32 logits [B, V]."""
-        if self.native is not None:
-            return self.native.talker_logits(hidden)
-        return self.talker.codec_head(hidden).float()
+        return self.runtime.logits(hidden)
 
     def _talker_draw(self, hidden: torch.Tensor, sl: slice) -> torch.Tensor:
         """hidden [B, C] (normed) -> next codebook-0 ids [B] (INVALID where the draw is not a
@@ -311,36 +298,80 @@ class FrameEngine:
         self.last_code0[sl] = code0
         return code0
 
-    def _predict_residual(self, p: int) -> torch.Tensor:
-        """Code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current frame; a row
-        with any draw outside the codebook is INVALID in every column."""
-        if self.native is not None:
-            return self.native.cp_frame(p)
-        cpm = self.talker.code_predictor
-        proj = cpm.small_to_mtp_projection
-        g, size = self.cfg.num_code_groups, self.codebook_size
-        rows, idx = slice(0, p), self._arange[:p]
-        sp = self.cp_sp.rows(p)
-        cand = max(self._cand_cp[:p])
-        code0 = self.last_code0[:p].clamp(0, self.cfg.lm.vocab_size - 1)
-        x = torch.stack((self.last_hidden[:p], self.talker.codec_embed(code0)), dim=1)
-        x = proj(x)  # [p, 2, Ccp]
-        # a fresh cache per frame: the 2-token prefill attends nothing cached
-        h = run_step(cpm.model, self.cp_kv, self.cp_rope, x, self._cp_pos0[:p], rows, idx, 0)[:, -1]
-        out = []
-        for j in range(g - 1):
-            logits = cpm.lm_head[j](h).float()
-            code = sample(logits, sp, self.seed[:p], self.counter[:p], cand)
-            self.counter[:p] += 1
-            out.append(code)
-            if j == g - 2:
-                break
-            x = proj(cpm.model.codec_embedding[j](code.clamp(0, size - 1))).unsqueeze(1)  # [p, 1, Ccp]
-            h = run_step(cpm.model, self.cp_kv, self.cp_rope, x, self._cp_pos[j + 2][:p], rows, idx,
-                         j + 2)[:, -1]
-        codes = torch.stack(out, dim=1)  # [p, G-1]
-        ok = ((codes >= 0) & (codes < size)).all(dim=1, keepdim=True)  # validation at the source
-        return torch.where(ok, codes, torch.full_like(codes, INVALID))
+    def predict_residual(self, p: int) -> torch.Tensor:
+        """The runtime's code predictor for slots [0, p): codes 1..G-1 [p, G-1] of the current
+        frame; a row with any draw outside the codebook is INVALID in every column."""
+        return self.runtime.residual(p)
+
+    @property
+    def residual_source(self):
+        """Where ``step`` takes codes 1..G-1 from: ``fn(p) -> [p, G-1]`` (``predict_residual``'s
+        contract)."""
+        return self._residual_source or self.runtime.residual
+
+    def use_residual(self, source=None) -> None:
+        """Take codes 1..G-1 from ``source(p)`` (a remote code-predictor stage, speculative
+        prediction, a timing wrapper); None: the runtime's own code predictor."""
+        self._residual_source = source
+
+    @contextlib.contextmanager
+    def residual_given(self, codes: torch.Tensor):
+        """Frame steps inside take codes 1..G-1 ``codes`` [p, G-1] as given (teacher forcing:
+        evaluation.fidelity), then the source before comes back."""
+        saved = self._residual_source
+        self._residual_source = lambda _p: codes
+        try:
+            yield
+        finally:
+            self._residual_source = saved
+
+    def follow_draws(self, other: "FrameEngine", rows: int) -> None:
+        """Take the codebook-0 ids and draw history of slots [0, rows) from ``other`` (an engine
+        over the same model): the next frame of each starts from the other's draws."""
+        self.last_code0[:rows] = other.last_code0[:rows]
+        self.seen[:rows] = other.seen[:rows]
+
+    def inject_fault(self, slot: int, part: str) -> None:
+        """Poison the inputs of ``slot``'s next frame (planned faults, ``stages.faults``):
+        ``"talker"`` its text-track rows, ``"code_predictor"`` its last hidden state. The
+        frame's validation must then fail that stream alone."""
+        if part == "talker":
+            self.trailing[slot] = float("nan")
+        elif part == "code_predictor":
+            self.last_hidden[slot] = float("nan")
+        else:
+            raise ValueError(f"no fault for {part!r}: 'talker' or 'code_predictor'")
+
+    def cp_rows(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the code predictor reads of slots [0, p), for a code predictor elsewhere
+        (``stages.cp_stage``): floats [p, C + 3] (last hidden state, greedy, temperature,
+        top_p) and ints [p, 4] (codebook-0 id, seed, draw counter, top_k)."""
+        sp = self.cp_sp
+        floats = torch.cat((self.last_hidden[:p].float(), sp.greedy[:p, None].float(),
+                            sp.temperature[:p, None], sp.top_p[:p, None]), dim=1)
+        ints = torch.stack((self.last_code0[:p], self.seed[:p], self.counter[:p], sp.top_k[:p]),
+                           dim=1)
+        return floats, ints
+
+    def load_cp_rows(self, floats: torch.Tensor, ints: torch.Tensor) -> int:
+        """Set rows [0, p) from another engine's ``cp_rows`` (the code-predictor stage's engine
+        predicts them next); returns p."""
+        p, c = floats.shape[0], self.cfg.lm.hidden_size
+        greedy = floats[:, c] > 0.5
+        self.last_hidden[:p] = floats[:, :c].to(self.dtype)
+        self.cp_sp.greedy[:p] = greedy
+        self.cp_sp.temperature[:p] = floats[:, c + 1]
+        self.cp_sp.top_p[:p] = floats[:, c + 2]
+        self.last_code0[:p] = ints[:, 0]
+        self.seed[:p] = ints[:, 1]
+        self.counter[:p] = ints[:, 2]
+        self.cp_sp.top_k[:p] = ints[:, 3]
+        self.set_cp_candidates(ints[:, 3].tolist(), greedy.tolist())
+        return p
+
+    def advance_counters(self, p: int, draws: int) -> None:
+        """Count ``draws`` draws made for slots [0, p) elsewhere (a remote code predictor)."""
+        self.counter[:p] += draws
 
     @torch.inference_mode()
     def cp_logits_teacher_forced(self, hidden: torch.Tensor, code0: int,
@@ -349,36 +380,25 @@ class FrameEngine:
         instead of drawn: talker hidden state [1, C], codebook-0 id and codes 1..G-1 [G-1] (the
         last is no input). Two engines fed the same inputs this way compare their weights
         sub-step by sub-step (evaluation.fidelity) where free-running draws would diverge at
-        the first flip; fed its own greedy codes, the argmax is what ``_predict_residual``
+        the first flip; fed its own greedy codes, the argmax is what ``predict_residual``
         drew (in bf16 the torch path's one causal pass rounds unlike the sub-steps, so a
-        near-tie may flip). Runs on the engine's own path and leaves its state alone (the
-        runtime borrows the last code-predictor cache slot, which every frame rewrites before
-        reading it)."""
-        from omni_stream.engine.step import step_mask
-
+        near-tie may flip). Runs on the engine's own runtime and leaves its state alone (the
+        CPU runtime borrows the last code-predictor cache slot, which every frame rewrites
+        before reading it)."""
         g, size = self.cfg.num_code_groups, self.codebook_size
         c0 = torch.tensor([int(code0)], device=self.device).clamp(0, self.cfg.lm.vocab_size - 1)
         res = torch.as_tensor(codes, device=self.device).reshape(-1)[:g - 2].clamp(0, size - 1)
         cpm = self.talker.code_predictor
         x = torch.cat([hidden.reshape(1, -1).to(self.dtype), self.talker.codec_embed(c0)]  # [G, C]
                       + [cpm.model.codec_embedding[j](res[j:j + 1]) for j in range(g - 2)])
-        if self.native is None:  # the whole sequence in one causal pass
-            x = cpm.small_to_mtp_projection(x).unsqueeze(0)  # [1, G, Ccp]
-            cos, sin = self.cp_rope(torch.arange(g, device=self.device).unsqueeze(0), x.dtype)
-            h, _ = cpm.model(x, cos, sin, step_mask(None, 0, g, x.dtype, self.device), None)
-            return torch.stack([cpm.lm_head[j](h[0, j + 1]) for j in range(g - 1)]).float()
-        n, slot, x, out = self.native, self.shape.max_slots - 1, x.float(), []
-        for a, b in [(0, 2)] + [(j, j + 1) for j in range(2, g)]:  # the calls cp_frame makes
-            slots, pos = torch.full((b - a,), slot, dtype=torch.int64), torch.arange(a, b)
-            out.append(n.cp_step(n.cp_project(x[a:b]), slots, pos)[-1:])
-        return torch.cat([n.linear(n.cp_heads[j], out[j]) for j in range(g - 1)])
+        return self.runtime.cp_teacher_forced(x)
 
     def step(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance slots [0, p) by one frame. Returns (codes [p, G] of the finished frame,
         next codebook-0 ids [p]). A row whose frame or next draw failed validation gets
         INVALID as its next id (do not emit its frame). Rows of idle slots in the range are
         computed and ignored."""
-        residual = self.residual_fn(p)  # [p, G-1], INVALID rows where the code predictor failed
+        residual = self.residual_source(p)  # [p, G-1], INVALID rows where the code predictor failed
         codes = torch.cat((self.last_code0[:p].unsqueeze(1), residual), dim=1)  # [p, G]
         frame_ok = (codes >= 0).all(dim=1)
         t = self.talker
@@ -388,18 +408,7 @@ class FrameEngine:
         x = torch.stack(embeds, dim=1).sum(1)  # [p, C]
         idx = torch.minimum(self.gen_step[:p], self.trailing_len[:p])
         x = x + self.trailing[self._arange[:p], idx]
-        pos = self.pos[:p]
-        if self.native is not None:
-            hidden = self.native.talker_step(x, self._arange[:p], pos).to(self.dtype)
-        elif self.vllm is not None:
-            hidden = self.vllm.talker_step(x, self._arange[:p], pos, live=self.active[:p])
-        else:
-            if self.static_live:
-                live = self.shape.max_seq_len
-            else:  # the one deliberate host sync per frame: attend only over the live prefix
-                live = int(pos.max())
-            hidden = run_step(t.model, self.kv, self.rope, x.unsqueeze(1), pos.unsqueeze(1),
-                              slice(0, p), self._arange[:p], live, valid=pos)[:, -1]
+        hidden = self.runtime.step(x, self.pos[:p])
         self.last_hidden[:p] = hidden
         # only running slots advance; idle ones rewrite the same (unused) position
         act = self.active[:p].long()

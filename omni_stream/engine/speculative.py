@@ -36,27 +36,11 @@ import dataclasses
 import logging
 
 import torch
-from torch import nn
 
 from omni_stream.engine.sampling import INVALID, sample
-from omni_stream.engine.step import run_step
-from omni_stream.models.layers import DecoderStack
 
 log = logging.getLogger(__name__)
 LOG_EVERY = 1000  # frames between the acceptance lines in the log
-
-
-class FirstLayers(nn.Module):
-    """The first ``n`` layers of a decoder stack and its final norm (shared, not copied): the
-    same decode step over explicit state as ``DecoderStack``."""
-
-    def __init__(self, stack: DecoderStack, n: int) -> None:
-        super().__init__()
-        self.cfg = dataclasses.replace(stack.cfg, num_hidden_layers=n)
-        self.layers = nn.ModuleList(list(stack.layers)[:n])
-        self.norm = stack.norm
-
-    forward = DecoderStack.forward
 
 
 @dataclasses.dataclass
@@ -78,70 +62,8 @@ class SpeculativeStats:
         return self.passes / self.frames if self.frames else 0.0
 
 
-class _TorchParts:
-    """The code predictor's pieces on the torch engine."""
-
-    def __init__(self, engine, draft_layers: int) -> None:
-        cpm = engine.talker.code_predictor
-        self.e, self.cpm = engine, cpm
-        self.full = cpm.model
-        self.draft = FirstLayers(cpm.model, draft_layers)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:  # [p, T, talker C] -> [p, T, C]
-        return self.cpm.small_to_mtp_projection(x)
-
-    def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
-        """Feed x [p, T, C] at positions start.. of cache rows [0, p) (attending positions <
-        start) -> normed hidden [p, T, C]."""
-        e = self.e
-        pos = torch.arange(start, start + x.shape[1], device=x.device).expand(p, -1)
-        return run_step(stack, e.cp_kv, e.cp_rope, x, pos, slice(0, p), e._arange[:p], start)
-
-    def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:  # head of code j -> fp32 [p, V]
-        return self.cpm.lm_head[j](h).float()
-
-    def embed(self, j: int, codes: torch.Tensor) -> torch.Tensor:  # code j's table -> [p, talker C]
-        return self.cpm.model.codec_embedding[j](codes)
-
-    def embed0(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.e.talker.codec_embed(codes)
-
-
-class _NativeParts:
-    """The same pieces on the CPU runtime: its stack step (the draft: a stack struct over the
-    first layers of the predictor's own), heads, projection and embedding tables."""
-
-    def __init__(self, engine, draft_layers: int) -> None:
-        from omni_stream.engine.cpu.abi import OcStack
-
-        self.e, self.n = engine, engine.native
-        s = self.n.cp.struct
-        self.full = s
-        self.draft = OcStack(layers=draft_layers, hidden=s.hidden, heads=s.heads,
-                             kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn, eps=s.eps,
-                             layer=s.layer, norm=s.norm)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.n.cp_project(x.reshape(-1, x.shape[-1])).view(x.shape[0], x.shape[1], -1)
-
-    def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
-        t = x.shape[1]
-        slots = torch.arange(p, dtype=torch.int64).repeat_interleave(t)
-        pos = (start + torch.arange(t, dtype=torch.int64)).repeat(p)
-        return self.n.cp_step(x.reshape(p * t, -1), slots, pos, stack).view(p, t, -1)
-
-    def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:
-        return self.n.linear(self.n.cp_heads[j], h)
-
-    def embed(self, j: int, codes: torch.Tensor) -> torch.Tensor:
-        return self.n.tables[1 + j][codes].float()
-
-    def embed0(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.n.tables[0][codes].float()
-
-
 class SpeculativeCodePredictor:
-    """Codes 1..G-1 of slots [0, p) by draft-and-verify (``FrameEngine.residual_fn``'s
+    """Codes 1..G-1 of slots [0, p) by draft-and-verify (``FrameEngine.predict_residual``'s
     contract: [p, G-1] int64, INVALID in every column of a row with a draw outside the
     codebook). ``draft_layers``: 1 .. layers-1 of the code predictor; ``lookahead``: codes the
     draft proposes per round (>= 1)."""
@@ -154,7 +76,7 @@ class SpeculativeCodePredictor:
         if not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(f"lookahead must be an integer >= 1, got {lookahead!r}")
         self.engine, self.draft_layers, self.lookahead = engine, draft_layers, lookahead
-        self.parts = (_NativeParts if engine.native is not None else _TorchParts)(engine, draft_layers)
+        self.parts = engine.runtime.cp_parts(draft_layers)  # the runtime's predictor pieces
         self.stats = SpeculativeStats()
 
     def __call__(self, p: int) -> torch.Tensor:
@@ -217,7 +139,7 @@ def enable(engine, draft_layers: int, lookahead: int = 4) -> SpeculativeCodePred
     """Make ``engine`` predict its codes 1..G-1 speculatively; returns the predictor (its
     ``stats`` count passes and accepted drafts)."""
     spec = SpeculativeCodePredictor(engine, draft_layers, lookahead)
-    engine.residual_fn = spec
+    engine.use_residual(spec)
     return spec
 
 

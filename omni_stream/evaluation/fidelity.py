@@ -113,36 +113,31 @@ def _one(ref: Synthesizer, test: Synthesizer, req: PromptRequest, frames: int, c
     test_codes: list[torch.Tensor] = []
     pred0 = c_test
     eos = ref.model.config.talker.special.codec_eos
-    saved = er.residual_fn, et.residual_fn
-    try:
-        for _ in range(frames):
-            if c_ref == eos:
-                break
-            et.last_code0[:1] = er.last_code0[:1]
-            et.seen[:1] = er.seen[:1]
-            res_r = er._predict_residual(1)
-            res_t = et._predict_residual(1)
-            acc["res"].append(float((res_r == res_t).float().mean()))
-            # both code predictors on the reference's inputs, sub-step by sub-step
-            h, c0 = er.last_hidden[:1], int(er.last_code0[0])
-            acc["cr"].append(er.cp_logits_teacher_forced(h, c0, res_r[0]))
-            acc["ct"].append(et.cp_logits_teacher_forced(h, c0, res_r[0]))
-            er.residual_fn = et.residual_fn = (lambda _p, r=res_r: r)
+    for _ in range(frames):
+        if c_ref == eos:
+            break
+        et.follow_draws(er, 1)
+        res_r = er.predict_residual(1)
+        res_t = et.predict_residual(1)
+        acc["res"].append(float((res_r == res_t).float().mean()))
+        # both code predictors on the reference's inputs, sub-step by sub-step
+        h, c0 = er.last_hidden[:1], int(er.last_code0[0])
+        acc["cr"].append(er.cp_logits_teacher_forced(h, c0, res_r[0]))
+        acc["ct"].append(et.cp_logits_teacher_forced(h, c0, res_r[0]))
+        with er.residual_given(res_r), et.residual_given(res_r):
             frame, nxt_r = er.step(1)
             _, nxt_t = et.step(1)
-            codes.append(frame[0].clone())
-            test_codes.append(torch.cat((torch.tensor([pred0]), res_t[0].cpu())))
-            pred0 = int(nxt_t[0])
-            lg_r = er.talker_logits(er.last_hidden[:1])[0]
-            lg_t = et.talker_logits(et.last_hidden[:1])[0]
-            acc["lr"].append(lg_r)
-            acc["lt"].append(lg_t)
-            acc["top5"].append(len(set(lg_r.topk(5).indices.tolist())
-                                   & set(lg_t.topk(5).indices.tolist())) / 5)
-            acc["agree0"].append(int(nxt_r[0]) == int(nxt_t[0]))
-            c_ref = int(nxt_r[0])
-    finally:
-        er.residual_fn, et.residual_fn = saved
+        codes.append(frame[0].clone())
+        test_codes.append(torch.cat((torch.tensor([pred0]), res_t[0].cpu())))
+        pred0 = int(nxt_t[0])
+        lg_r = er.talker_logits(er.last_hidden[:1])[0]
+        lg_t = et.talker_logits(et.last_hidden[:1])[0]
+        acc["lr"].append(lg_r)
+        acc["lt"].append(lg_t)
+        acc["top5"].append(len(set(lg_r.topk(5).indices.tolist())
+                               & set(lg_t.topk(5).indices.tolist())) / 5)
+        acc["agree0"].append(int(nxt_r[0]) == int(nxt_t[0]))
+        c_ref = int(nxt_r[0])
     if codec and codes:
         dev = next(ref.model.code2wav.parameters()).device
         for key, c in (("wr", codes), ("wt", test_codes)):

@@ -35,7 +35,7 @@ class CodePredictorUnavailable(RuntimeError):
 
 
 class RemoteResidual:
-    """Drop-in for ``FrameEngine._predict_residual`` that asks the code-predictor stage."""
+    """Drop-in for ``FrameEngine.predict_residual`` that asks the code-predictor stage."""
 
     def __init__(self, engine: FrameEngine, to_cp: Ring, from_cp: Ring, timeout: float = 30.0) -> None:
         self.e, self.to_cp, self.from_cp, self.timeout = engine, to_cp, from_cp, timeout
@@ -48,17 +48,14 @@ class RemoteResidual:
 
     def __call__(self, p: int) -> torch.Tensor:
         e = self.e
-        sp = e.cp_sp
-        floats = torch.cat((e.last_hidden[:p].float(), sp.greedy[:p, None].float(),
-                            sp.temperature[:p, None], sp.top_p[:p, None]), dim=1)
-        ints = torch.stack((e.last_code0[:p], e.seed[:p], e.counter[:p], sp.top_k[:p]), dim=1)
+        floats, ints = e.cp_rows(p)
         self.seq += 1
         ok = self.to_cp.put(floats, kind=MsgKind.HIDDEN, seq=self.seq, timeout=self.timeout)
         ok = ok and self.to_cp.put(ints, kind=MsgKind.DATA, seq=self.seq, timeout=self.timeout)
         m = self.from_cp.get(timeout=self.timeout) if ok else None
         if m is None or m.seq != self.seq:
             raise CodePredictorUnavailable("code-predictor stage stopped answering")
-        e.counter[:p] += e.cfg.num_code_groups - 1
+        e.advance_counters(p, e.cfg.num_code_groups - 1)
         codes = torch.from_numpy(m.payload).to(e.device)
         # trust nothing that crossed a hop: a row with any value outside the codebook is INVALID
         ok = ((codes >= 0) & (codes < e.codebook_size)).all(dim=1, keepdim=True)
@@ -67,7 +64,6 @@ class RemoteResidual:
 
 def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> None:
     """The stage loop: answer each (hidden, ints) request with the residual codes."""
-    c = engine.cfg.lm.hidden_size
     with torch.inference_mode():
         while should_run():
             m1 = inp.get(timeout=0.1)
@@ -76,22 +72,11 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
             m2 = inp.get(timeout=5.0)
             if m2 is None or m2.seq != m1.seq:
                 raise RuntimeError("code-predictor stage: request arrived incomplete")
-            f = torch.from_numpy(m1.payload)
-            i = torch.from_numpy(m2.payload)
-            p = f.shape[0]
-            engine.last_hidden[:p] = f[:, :c].to(engine.dtype)
-            engine.cp_sp.greedy[:p] = f[:, c] > 0.5
-            engine.cp_sp.temperature[:p] = f[:, c + 1]
-            engine.cp_sp.top_p[:p] = f[:, c + 2]
-            engine.last_code0[:p] = i[:, 0]
-            engine.seed[:p] = i[:, 1]
-            engine.counter[:p] = i[:, 2]
-            engine.cp_sp.top_k[:p] = i[:, 3]
-            engine.set_cp_candidates(i[:, 3].tolist(), (f[:, c] > 0.5).tolist())
+            p = engine.load_cp_rows(torch.from_numpy(m1.payload), torch.from_numpy(m2.payload))
             stepstats.record_ns("hop.cp.put_get", m1.put_ns, m1.get_ns)
             try:
                 with stepstats.phase("cp.predict"):
-                    codes = engine._predict_residual(p)
+                    codes = engine.predict_residual(p)
             except Exception:  # fail this request's streams (the talker sees INVALID), not the stage
                 log.exception("code-predictor step failed for %d rows", p)
                 codes = torch.full((p, engine.cfg.num_code_groups - 1), INVALID, dtype=torch.int64)
@@ -101,7 +86,6 @@ def serve_residuals(engine: FrameEngine, inp: Ring, out: Ring, should_run) -> No
 def run_cp_stage(spec, in_handle, out_handle) -> None:
     """Process entry point."""
     start_stage("cp", spec)
-    import os
 
     from omni_stream.engine.loading import attach_engine, load_for_engine
 

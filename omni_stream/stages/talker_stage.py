@@ -154,11 +154,7 @@ class TalkerStage:
 
     def stats(self) -> dict[str, float]:
         sc = self.sched
-        lent = {}
-        native = self.engine.native
-        if native is not None and native.pool.lease is not None:
-            own, borrowed = native.pool.jobs()  # runtime jobs run on its own cores / lent ones
-            lent = {"lent_core_jobs": borrowed, "own_core_jobs": own}
+        lent = self.engine.runtime.stats()  # e.g. jobs run on lent cores (the CPU runtime)
         # the cumulative phase sums the server's part attribution reads (scheduling.attribution)
         parts = talker_phase_sums(stepstats.snapshot()["phases"])
         return dict(**lent,active=len(sc.decoding()), pending=len(sc.pending), free_slots=sc.free_slots(),
@@ -367,10 +363,9 @@ class TalkerStage:
     def _inject_faults(self, running: list[StreamState]) -> None:
         """Planned faults (``stages.faults``): poison the inputs of one stream's next frame."""
         for st in running:
-            if self.faults.fires("talker", st.stream_id, st.frames):
-                self.engine.trailing[st.slot] = float("nan")
-            if self.faults.fires("code_predictor", st.stream_id, st.frames):
-                self.engine.last_hidden[st.slot] = float("nan")
+            for part in ("talker", "code_predictor"):
+                if self.faults.fires(part, st.stream_id, st.frames):
+                    self.engine.inject_fault(st.slot, part)
 
 
 def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
@@ -412,8 +407,8 @@ def run_talker_stage(spec: StageSpec, ctrl: ControlChannel, frames_handle,
 
         remote = RemoteResidual(stage.engine, cp_handles[0].open(), cp_handles[1].open())
         remote.wait_ready(timeout=300)
-        stage.engine.residual_fn = remote
-    stage.engine.residual_fn = _timed(stage.engine.residual_fn, "talker.code_predictor")
+        stage.engine.use_residual(remote)
+    stage.engine.use_residual(_timed(stage.engine.residual_source, "talker.code_predictor"))
     ctrl.send(StatsReply(stage="talker", pid=_pid(), stats={"ready": 1}))
     try:
         running = True

@@ -25,6 +25,7 @@ from omni_stream.engine.cpu.abi import (OcCache, OcCodePredictor, OcLayer, OcLin
 from omni_stream.engine.cpu.packing import PackCache, PackedLinear, Repack, pack_linear, smoothing
 from omni_stream.engine.cpu.plans import PRODUCTS, WeightPlan
 from omni_stream.engine.cpu.pool import CoreLease, Pool
+from omni_stream.engine.runtime import TalkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,9 @@ class NativeStack:
         self.cache = OcCache(k=ks, v=vs, length=cache_layers[0][0].shape[2],
                              bf16=int(dt == torch.bfloat16))
 
-class NativeRunner:
+class NativeRunner(TalkerRuntime):
     """The frame engine's talker step, talker head, prefill and code-predictor frame on the CPU
-    runtime (``FrameEngine.use_native``). ``talker_kind`` / ``cp_kind``: weight kind of the
+    runtime (``FrameEngine.use_native``; the ``engine.runtime.TalkerRuntime`` contract). ``talker_kind`` / ``cp_kind``: weight kind of the
     talker's and the code predictor's products (``KINDS``); ``plan``: a ``WeightPlan`` instead
     (mixed precision per product); ``threads``: the runtime's threads (the caller included);
     ``lent_cpus`` / ``lease``: more threads on another process's cores (``Pool``)."""
@@ -103,6 +104,7 @@ class NativeRunner:
                  threads: int | None = None, *, lent_cpus: tuple[int, ...] = (),
                  lease: CoreLease | None = None, pack_cache: Path | None = None,
                  plan: WeightPlan | None = None) -> None:
+        super().__init__(engine)
         self.plan = plan or WeightPlan(talker_kind, cp_kind)
         self.lib = library()
         self.pool = Pool(threads or torch.get_num_threads(), self.lib, lent_cpus=lent_cpus,
@@ -130,7 +132,6 @@ class NativeRunner:
             emb_bf16=int(emb_dtype == torch.bfloat16), talker_hidden=engine.cfg.lm.hidden_size,
             talker_vocab=engine.cfg.lm.vocab_size, cp_vocab=engine.codebook_size, groups=g,
             cos_tab=self.cp_rope[0].data_ptr(), sin_tab=self.cp_rope[1].data_ptr())
-        self.engine = engine
 
     def _pack(self, engine, packs: PackCache) -> None:
         t, cp = engine.talker, engine.talker.code_predictor
@@ -150,6 +151,43 @@ class NativeRunner:
             raise Repack
         packs.finish()
 
+    name = "native"
+
+    # ------------------------------------------------------------------ the contract
+    def prefill(self, slot: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        t = x.shape[0]
+        pos = torch.arange(start, start + t)
+        return self.talker_step(x, torch.full((t,), slot), pos)[-1:].to(self.e.dtype)
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.talker_step(x, self.e._arange[:x.shape[0]], pos).to(self.e.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.head, hidden)
+
+    def residual(self, p: int) -> torch.Tensor:
+        return self.cp_frame(p)
+
+    def cp_teacher_forced(self, x: torch.Tensor) -> torch.Tensor:
+        """Sub-step by sub-step, as ``cp_frame`` calls them, in the last code-predictor cache
+        slot (every frame rewrites it before reading it)."""
+        g = self.e.cfg.num_code_groups
+        slot, x, out = self.e.shape.max_slots - 1, x.float(), []
+        for a, b in [(0, 2)] + [(j, j + 1) for j in range(2, g)]:  # the calls cp_frame makes
+            slots, pos = torch.full((b - a,), slot, dtype=torch.int64), torch.arange(a, b)
+            out.append(self.cp_step(self.cp_project(x[a:b]), slots, pos)[-1:])
+        return torch.cat([self.linear(self.cp_heads[j], out[j]) for j in range(g - 1)])
+
+    def cp_parts(self, draft_layers: int) -> "NativePredictorParts":
+        return NativePredictorParts(self, draft_layers)
+
+    def stats(self) -> dict[str, int]:
+        if self.pool.lease is None:
+            return {}
+        own, borrowed = self.pool.jobs()  # runtime jobs run on its own cores / lent ones
+        return {"lent_core_jobs": borrowed, "own_core_jobs": own}
+
+    # ------------------------------------------------------------------ the runtime's calls
     def talker_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows x [m, C] (token of slot slots[r] at position pos[r], attending the slot's cache
         [0, pos[r]]) -> normed hidden [m, C] fp32; writes their K/V into the engine's cache."""
@@ -182,12 +220,9 @@ class NativeRunner:
                            y.data_ptr())
         return y
 
-    def talker_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.head, hidden)
-
     def cp_frame(self, p: int) -> torch.Tensor:
         """The code predictor's frame for slots [0, p): codes 1..G-1 [p, G-1] (INVALID rows)."""
-        e = self.engine
+        e = self.e
         sp = e.cp_sp
         greedy = sp.greedy[:p].to(torch.int32).contiguous()
         top_k = sp.top_k[:p].clamp(max=2**31 - 1).to(torch.int32).contiguous()
@@ -205,3 +240,35 @@ class NativeRunner:
                                          hidden.data_ptr(), code0.data_ptr(), C.byref(samp),
                                          codes.data_ptr())
         return codes
+
+
+class NativePredictorParts:
+    """The code predictor's pieces on the CPU runtime, for speculative prediction
+    (``TalkerRuntime.cp_parts``): its stack step (the draft: a stack struct over the first
+    layers of the predictor's own), heads, projection and embedding tables."""
+
+    def __init__(self, runner: NativeRunner, draft_layers: int) -> None:
+        self.n = runner
+        s = runner.cp.struct
+        self.full = s
+        self.draft = OcStack(layers=draft_layers, hidden=s.hidden, heads=s.heads,
+                             kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn, eps=s.eps,
+                             layer=s.layer, norm=s.norm)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.n.cp_project(x.reshape(-1, x.shape[-1])).view(x.shape[0], x.shape[1], -1)
+
+    def run(self, stack, x: torch.Tensor, start: int, p: int) -> torch.Tensor:
+        t = x.shape[1]
+        slots = torch.arange(p, dtype=torch.int64).repeat_interleave(t)
+        pos = (start + torch.arange(t, dtype=torch.int64)).repeat(p)
+        return self.n.cp_step(x.reshape(p * t, -1), slots, pos, stack).view(p, t, -1)
+
+    def logits(self, j: int, h: torch.Tensor) -> torch.Tensor:
+        return self.n.linear(self.n.cp_heads[j], h)
+
+    def embed(self, j: int, codes: torch.Tensor) -> torch.Tensor:
+        return self.n.tables[1 + j][codes].float()
+
+    def embed0(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.n.tables[0][codes].float()

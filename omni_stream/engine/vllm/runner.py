@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from omni_stream.engine.runtime import TalkerRuntime
+
 log = logging.getLogger(__name__)
 
 _scheduler_cls = None
@@ -127,10 +129,15 @@ def model_dir(checkpoint: str | Path, lm, slots: int, max_len: int) -> Path:
     return out
 
 
-class VllmTalker:
-    """The talker decoder of ``engine`` (a ``FrameEngine``) on an in-process vLLM engine."""
+class VllmTalker(TalkerRuntime):
+    """The talker decoder of ``engine`` (a ``FrameEngine``) on an in-process vLLM engine (the
+    ``engine.runtime.TalkerRuntime`` contract: prefill, step and the stream lifecycle here; the
+    heads and the code predictor are the torch runtime's)."""
+
+    name = "vllm"
 
     def __init__(self, engine, model_path: str | Path, threads: int | None = None) -> None:
+        super().__init__(engine)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         # one in-process worker: no OpenMP binding of vLLM's own (the stage's CPU set holds)
@@ -181,8 +188,11 @@ class VllmTalker:
         self._params = SamplingParams
 
     # ------------------------------------------------------------------ requests
-    def start(self, slot: int, total: int) -> None:
+    def start(self, slot: int, total: int | None) -> None:
         """A new stream in ``slot`` whose prompt has ``total`` positions."""
+        if total is None:
+            raise ValueError("the vLLM engine needs the prompt's length (total) with its first "
+                             "piece")
         if not 0 < total < self.max_len:
             raise ValueError(f"prompt of {total} positions does not fit max_seq_len {self.max_len}")
         self.release(slot)
@@ -200,6 +210,14 @@ class VllmTalker:
             self.llm.abort_request([rid], internal=True)
 
     # ------------------------------------------------------------------ steps
+    def prefill(self, slot: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        t = x.shape[0]
+        return self.talker_step(x, torch.full((t,), slot), torch.arange(start, start + t))[-1:]
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        p = x.shape[0]
+        return self.talker_step(x, self.e._arange[:p], pos, live=self.e.active[:p])
+
     def talker_step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                     live: torch.Tensor | None = None) -> torch.Tensor:
         """Rows x [n, C] of slots [n] at positions pos [n] (rows of one slot consecutive and in
