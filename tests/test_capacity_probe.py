@@ -28,7 +28,6 @@ from omni_stream.scheduling.capacity import CostCache, MachineCosts, capacity
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.scheduling.tracker import (RAMP_DONE_FRAMES, RAMP_MAX_FRAMES, CapacityTracker,
                                             StreamPace, tracker_window_s, weighted_median)
-from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.transport import (AddStream, Flags, MeasureCosts, MsgKind, StatsReply,
                                    StatsRequest)
 from omni_stream.transport.record import Message
@@ -214,20 +213,20 @@ class FakePipe:
     def step(self, width: int) -> float:
         return self.base_s + self.per_s * width
 
-    def send(self, msg) -> None:
+    def send(self, msg, stage: str = "talker") -> None:
         self.sent.append(msg)
         loop = asyncio.get_running_loop()
         if isinstance(msg, AddStream):
             loop.call_soon(self._play, msg)
+        elif isinstance(msg, MeasureCosts) and stage == "codec":
+            loop.call_soon(self.backend._on_reply, StatsReply(
+                stage="codec", pid=0, request_id=msg.request_id,
+                stats={"codec_call_s": self.call_s, "codec_frame_s": 0.0}))
         elif isinstance(msg, MeasureCosts):  # the parts alone: a faster step than serving's
             talker = {"bandwidth_gbs": 20.0, "bandwidth_1t_gbs": 15.0}
             if msg.parts:
                 talker.update({f"frame_s_{w}": self.parts_share * self.step(w) for w in (1, 2, 3)},
                               prefill_fixed_s=0.01, prefill_token_s=0.001)
-                codec = json.dumps({"codec_call_s": self.call_s, "codec_frame_s": 0.0}).encode()
-                ev = Message(MsgKind.EVENT, 0, MEASURE_STREAM_ID, 0, 0,
-                             np.frombuffer(codec, np.uint8).copy(), 0, 0, 0, 0)
-                loop.call_soon(self.backend._on_audio, ev)
             loop.call_soon(self.backend._on_reply, StatsReply(stage="talker", pid=0,
                                                               request_id=msg.request_id,
                                                               stats=talker))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
@@ -46,7 +45,6 @@ from omni_stream.scheduling.capacity import (DEFAULT_MARGIN, MachineCosts, advic
                                              format_costs, holdback_s)
 from omni_stream.scheduling.tracker import CapacityTracker, StreamPace
 from omni_stream.scheduling.limits import stream_frame_cap
-from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
                                    CloneSpec, CostUpdate, FailReason, Flags, Message, MsgKind,
                                    PromptSpec, StatsReply, StatsRequest, cleanup_stale)
@@ -104,9 +102,8 @@ class PipelineBackend:
         self.costs: MachineCosts | None = None
         self.tracker: CapacityTracker | None = None
         self.margin = DEFAULT_MARGIN
-        self._measuring = None  # (talker future, codec future) while the stages are timed
-        self._measure_request = 7_000_000  # request ids of MeasureCosts and StatsRequests
-        self._replies: dict[int, asyncio.Future] = {}  # requests waiting for the talker
+        self._request_ids = itertools.count(7_000_000)  # ids of requests to the stages (ask)
+        self._replies: dict[int, asyncio.Future] = {}  # requests waiting for a stage's answer
         self._counters: deque[PartCounters] = deque(maxlen=128)  # while serving, ~1 per second
         self._tracking: asyncio.Task | None = None
         self.costs_cached = False  # the costs came from the cache (else measured at start)
@@ -301,6 +298,22 @@ class PipelineBackend:
                 log.log(logging.INFO if t.current.realtime else logging.WARNING, "%s",
                         t.explain(before, self.live_parts(t.window_s)))
 
+    async def ask(self, stage: str, request, timeout_s: float) -> dict:
+        """Send ``request(request_id)`` (a StatsRequest, a MeasureCosts) on ``stage``'s control
+        channel and wait for its StatsReply: the reply's stats. asyncio.TimeoutError when it
+        does not answer in time; BackendError 503 while the pipeline is not running."""
+        pipe = self.sup.pipe
+        if pipe is None:
+            raise BackendError(503, "unavailable", "the model pipeline is not running")
+        rid = next(self._request_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        try:
+            pipe.send(request(rid), stage=stage)
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(rid, None)
+
     async def part_counters(self, timeout_s: float = 2.0) -> PartCounters | None:
         """The pipeline's part counters now (``orchestrator.meter``): the talker's step-timing
         sums (a StatsRequest) and the CPU times; None when the talker does not answer."""
@@ -309,17 +322,10 @@ class PipelineBackend:
         pipe = self.sup.pipe
         if pipe is None:
             return None
-        self._measure_request += 1
-        rid = self._measure_request
-        fut = asyncio.get_running_loop().create_future()
-        self._replies[rid] = fut
         try:
-            pipe.send(StatsRequest(request_id=rid))
-            talker = await asyncio.wait_for(fut, timeout_s)
-        except (asyncio.TimeoutError, ChannelClosed, OSError):
+            talker = await self.ask("talker", lambda rid: StatsRequest(request_id=rid), timeout_s)
+        except (asyncio.TimeoutError, BackendError, ChannelClosed, OSError):
             return None
-        finally:
-            self._replies.pop(rid, None)
         cpus = {c for v in self.s.cpu_sets.values() for c in v} or None
         return meter.counters(time.monotonic(), talker, pipe.codec.pid,
                               [p.pid for p in pipe.procs], cpus)
@@ -563,12 +569,6 @@ class PipelineBackend:
 
     def _on_audio(self, m: Message) -> None:
         """One audio-ring message (reader thread): to its stream, if it is still here."""
-        if m.stream_id == MEASURE_STREAM_ID:
-            fut = self._measuring[1] if self._measuring else None
-            if fut is not None:
-                data = json.loads(bytes(m.payload).decode()) if m.payload is not None else {}
-                fut.get_loop().call_soon_threadsafe(_resolve, fut, data)
-            return
         st = self._streams.get(m.stream_id)
         if st is None:
             return
@@ -587,8 +587,8 @@ class PipelineBackend:
         self._deliver(st, m)
 
     def _on_reply(self, msg: StatsReply) -> None:
-        """A stage's answer to a request (reader thread): the talker's measured costs
-        (``MeasureCosts``) or its stats (``StatsRequest``: the part counters)."""
+        """A stage's answer to a request (``ask``; reader thread): measured costs
+        (``MeasureCosts``) or the talker's stats (``StatsRequest``: the part counters)."""
         fut = self._replies.get(msg.request_id)
         if fut is not None:
             fut.get_loop().call_soon_threadsafe(_resolve, fut, dict(msg.stats))

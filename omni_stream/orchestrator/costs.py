@@ -5,8 +5,9 @@ Measuring (``measure_bandwidth`` at every start; ``measure_parts`` and ``probe_w
 first start of a deployment), seconds in all:
 
 1. the talker stage times its frame step alone at each batch size up to the slot count and
-   the prefill, then has the codec stage time Code2Wav calls per chunk size and batch
-   (``MeasureCosts``: the stages take turns, each idle while the other is timed);
+   the prefill, then the codec stage times Code2Wav calls per chunk size and batch
+   (``MeasureCosts`` asked on each stage's control channel in turn, each idle while the other
+   is timed: ``ask``);
 2. the memory read bandwidth, measured by the talker on its CPUs at every start (a cached
    measurement whose bandwidth differs by more than ``BANDWIDTH_DRIFT`` is measured again);
 3. probe streams run through the real pipeline (1 stream, then 2, ... until a width misses
@@ -28,6 +29,10 @@ capacity is explained against.
 
 A cache written under ``OMNI_STREAM_EMULATE_COSTS`` would describe another machine: emulated
 costs are measured at every start and never cached.
+
+The pipeline is reached through two calls, ``CostPipeline``: ``ask`` (a request on a stage's
+control channel, its reply) and ``stream`` with ``probe=`` (a probe stream whose pace samples
+are collected); ``orchestrator.backend.PipelineBackend`` is the one that serves them.
 """
 
 from __future__ import annotations
@@ -37,19 +42,34 @@ import logging
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import AsyncIterator, Callable, Protocol
 
-from omni_stream.contract import BackendError, SpeechJob
+from omni_stream.contract import AudioChunk, SpeechJob
 from omni_stream.scheduling.attribution import parts_per_step
 from omni_stream.scheduling.capacity import FRAME_S, MachineCosts
 from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.scheduling.tracker import RAMP_MAX_FRAMES, StreamPace, weighted_median
 from omni_stream.transport import MeasureCosts
 
-if TYPE_CHECKING:
-    from omni_stream.orchestrator.backend import PipelineBackend
-
 log = logging.getLogger(__name__)
+
+
+class CostPipeline(Protocol):
+    """What measuring needs of the serving pipeline."""
+
+    s: object  # its PipelineSettings (slots, sequence length, placement, CPU sets)
+
+    async def ask(self, stage: str, request: Callable[[int], object], timeout_s: float) -> dict:
+        """``request(request_id)`` on ``stage``'s control channel -> its reply's stats."""
+
+    def stream(self, job: SpeechJob, probe: list | None = None) -> AsyncIterator[AudioChunk]:
+        """A stream as a client gets it; ``probe``: pace samples are appended to it."""
+
+    def prompt_tokens(self, job: SpeechJob) -> int: ...
+
+    def voices(self) -> list[str]: ...
+
+    async def part_counters(self): ...
 
 BANDWIDTH_DRIFT = 0.4  # another machine of the kind differs ~2x; one host drifts ~+-25 %
 PROBE_FRAMES = 100  # frames per probe stream: a typical request (8 s of audio)
@@ -77,39 +97,29 @@ def bandwidth_drifted(cached: MachineCosts, ready: dict) -> bool:
     return now > 0 and then > 0 and abs(now - then) / then > BANDWIDTH_DRIFT
 
 
-async def _ask(backend: "PipelineBackend", parts: bool,
+async def _ask(backend: "CostPipeline", parts: bool,
                timeout_s: float) -> tuple[dict, dict]:
-    loop = asyncio.get_running_loop()
-    talker, codec = loop.create_future(), loop.create_future()
-    backend._measure_request += 1
-    rid = backend._measure_request
-    backend._replies[rid] = talker  # the talker answers with a StatsReply of this id
-    backend._measuring = (talker, codec)  # the codec on the audio ring (MEASURE_STREAM_ID)
-    try:
-        pipe = backend.sup.pipe
-        if pipe is None:
-            raise BackendError(503, "unavailable", "the model pipeline is not running")
-        pipe.send(MeasureCosts(request_id=rid, parts=parts))
-        t = await asyncio.wait_for(talker, timeout_s)
-        c = await asyncio.wait_for(codec, timeout_s) if parts else {}
-    finally:
-        backend._measuring = None
-        backend._replies.pop(rid, None)
+    """The talker's measurement, then (``parts``) the codec stage's: one after the other."""
+    t = await backend.ask("talker", lambda rid: MeasureCosts(request_id=rid, parts=parts),
+                          timeout_s)
+    c = await backend.ask("codec", lambda rid: MeasureCosts(request_id=rid),
+                          timeout_s) if parts else {}
     return t, c
 
 
-async def measure_bandwidth(backend: "PipelineBackend", timeout_s: float = 60.0) -> dict:
+async def measure_bandwidth(backend: "CostPipeline", timeout_s: float = 60.0) -> dict:
     """{bandwidth_gbs, bandwidth_1t_gbs} measured by the talker stage on its CPUs."""
     t, _ = await _ask(backend, False, timeout_s)
     return t
 
 
-async def measure_parts(backend: "PipelineBackend", timeout_s: float = 300.0) -> MachineCosts:
+async def measure_parts(backend: "CostPipeline", timeout_s: float = 300.0) -> MachineCosts:
     """Steps 1-2 of the module docstring: the costs of the parts, contention 1."""
     t, c = await _ask(backend, True, timeout_s)
     ready = t
-    if "error" in c:
-        raise RuntimeError(f"codec stage could not measure: {c['error']}")
+    if "busy_streams" in c:
+        raise RuntimeError(f"codec stage could not measure: {int(c['busy_streams'])} streams "
+                           "were running")
     n = sum(1 for k in t if k.startswith("frame_s_"))
     s = backend.s
     return MachineCosts(
@@ -159,7 +169,7 @@ def width_pace(samples: list[tuple[int, float, int]], width: int,
     return None, "no samples"
 
 
-async def probe_widths(backend: "PipelineBackend", parts: MachineCosts, schedule: ChunkPolicy,
+async def probe_widths(backend: "CostPipeline", parts: MachineCosts, schedule: ChunkPolicy,
                        margin: float) -> tuple[tuple[float, ...], tuple[dict[str, float], ...]]:
     """Step 3: after one untimed warm-up stream, probe streams through the pipeline, 1 at a
     time, then 2, ... up to the slots, until a width misses the margin: the wall time per
@@ -195,7 +205,7 @@ async def probe_widths(backend: "PipelineBackend", parts: MachineCosts, schedule
     return tuple(observed), tuple(where)
 
 
-async def _probe(backend: "PipelineBackend", width: int, frames: int,
+async def _probe(backend: "CostPipeline", width: int, frames: int,
                  tag: str = "cost-probe") -> tuple[float | None, str]:
     """``width`` probe streams at once; their figure (``width_pace``) and how it was made."""
     voice = (backend.voices() or [None])[0]

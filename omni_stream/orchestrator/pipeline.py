@@ -65,6 +65,9 @@ class Pipeline:
         self.frames = Ring.create("frames", 8 << 20)
         self.audio = Ring.create("audio", 32 << 20, role="consumer")
         self.ctrl, child_ctrl = ControlChannel.pair(ctx)
+        # the codec stage's own control path (cost measurement: orchestrator.costs), apart from
+        # its data rings
+        self.codec_ctrl, codec_child_ctrl = ControlChannel.pair(ctx)
         self.rings = [self.frames, self.audio]
         cp_handles = None
         self.cp = None
@@ -79,12 +82,14 @@ class Pipeline:
                                   args=(specs["talker"], child_ctrl,
                                         self.frames.handle("producer"), cp_handles))
         self.codec = ctx.Process(target=run_codec_stage, name="omni-codec", daemon=True,
-                                 args=(specs["codec"], self.frames.handle("consumer"),
+                                 args=(specs["codec"], codec_child_ctrl,
+                                       self.frames.handle("consumer"),
                                        self.audio.handle("producer")))
         self.procs = [p for p in (self.talker, self.cp, self.codec) if p is not None]
         for p in self.procs:
             p.start()
         child_ctrl.close()
+        codec_child_ctrl.close()
         self.lock = threading.Lock()  # control sends come from the loop thread and the reader
 
     def wait_ready(self, timeout: float) -> None:
@@ -103,9 +108,11 @@ class Pipeline:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def send(self, msg) -> None:
+    def send(self, msg, stage: str = "talker") -> None:
+        """A control message to ``stage`` ("talker": every stream's lifecycle, stats and
+        costs; "codec": its cost measurement)."""
         with self.lock:
-            self.ctrl.send(msg)
+            (self.codec_ctrl if stage == "codec" else self.ctrl).send(msg)
 
     def close(self) -> None:
         try:
@@ -118,6 +125,7 @@ class Pipeline:
                 p.kill()
                 p.join(timeout=3)
         self.ctrl.close()
+        self.codec_ctrl.close()
         for r in self.rings:
             r.close()
             r.unlink()
@@ -184,15 +192,17 @@ class Supervisor:
                     return
 
     def _drain_control(self, pipe: Pipeline) -> None:
-        """Stage timing pushes (StatsReply with request_id -1) -> this process's /metrics."""
-        try:
-            while (msg := pipe.ctrl.recv(timeout=0)) is not None:
-                if isinstance(msg, StatsReply) and msg.request_id == -1:
-                    replay_stage_timings(msg.stats, msg.stage, msg.pid)
-                elif isinstance(msg, StatsReply) and self.on_reply is not None:
-                    self.on_reply(msg)
-        except (ChannelClosed, OSError):
-            pass
+        """Stage timing pushes (StatsReply with request_id -1) -> this process's /metrics; the
+        stages' answers to requests -> ``on_reply``."""
+        for ch in (pipe.ctrl, pipe.codec_ctrl):
+            try:
+                while (msg := ch.recv(timeout=0)) is not None:
+                    if isinstance(msg, StatsReply) and msg.request_id == -1:
+                        replay_stage_timings(msg.stats, msg.stage, msg.pid)
+                    elif isinstance(msg, StatsReply) and self.on_reply is not None:
+                        self.on_reply(msg)
+            except (ChannelClosed, OSError):
+                pass
 
     def _recover(self, pipe: Pipeline) -> None:
         time.sleep(0.2)  # a shutdown signal that also hit the stages is noticed here first

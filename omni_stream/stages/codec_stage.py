@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,14 +32,14 @@ from omni_stream.models.onednn import pin_decode_isa
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
-from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring, StreamStart
+from omni_stream.transport import (ChannelClosed, ControlChannel, FailReason, Flags,
+                                   MeasureCosts, Message, MsgKind, Ring, StatsReply, StreamStart)
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import orphan_cleanup, parent_alive, start_stage
 
 log = logging.getLogger(__name__)
 
 READY_STREAM_ID = (1 << 62)  # stream id of the stage's "ready" event on the audio ring
-MEASURE_STREAM_ID = (1 << 62) + 1  # the talker's "time your calls" event, and the answer
 _NO_LEASE = contextlib.nullcontext()
 PRIMED_CACHE = 8  # cloned voices whose primed Code2Wav state is kept (a few MB each)
 
@@ -98,9 +98,6 @@ class CodecStage:
         stepstats.record_ns("hop.frames.enqueue_put", m.enqueue_ns, m.put_ns)
         stepstats.record_ns("hop.frames.put_get", m.put_ns, m.get_ns)
         sid = m.stream_id
-        if sid == MEASURE_STREAM_ID and m.kind == MsgKind.EVENT:
-            self.measure()
-            return
         if m.kind == MsgKind.EVENT and m.flags & Flags.FIRST:
             try:
                 start = StreamStart.from_payload(m.payload)
@@ -307,24 +304,24 @@ class CodecStage:
         return same_bits(one, torch.cat(parts))
 
     @torch.inference_mode()
-    def measure(self) -> None:
-        """Time Code2Wav calls per chunk size and batch (``edge.measure``) and answer on the
-        audio ring (a MEASURE event, JSON payload). Only while no stream holds a slot."""
+    def measure(self) -> dict[str, float]:
+        """Time Code2Wav calls per chunk size and batch (``edge.measure``): {codec_call_s,
+        codec_frame_s, and call_s_n<frames>_b<batch> per size timed}, or {busy_streams} while
+        streams hold slots (asked on the stage's control channel: ``orchestrator.costs``)."""
         from omni_stream.edge.measure import measure_codec_calls
 
         if self.streams:
             log.warning("cost measurement asked while %d streams run: skipped", len(self.streams))
-            result: dict = {"error": "streams running"}
-        else:
-            def decode(slots, codes):
-                with self.lease.held() if self.lease is not None else _NO_LEASE:
-                    return self.dec.decode(slots, codes)
+            return {"busy_streams": len(self.streams)}
 
-            call_s, frame_s, table = measure_codec_calls(decode, self.codebooks,
-                                                         self.dec.max_slots, self.dec.reset)
-            result = dict(codec_call_s=call_s, codec_frame_s=frame_s, table=table)
-        payload = np.frombuffer(json.dumps(result).encode(), dtype=np.uint8).copy()
-        self.out.put(payload, kind=MsgKind.EVENT, stream_id=MEASURE_STREAM_ID, timeout=5.0)
+        def decode(slots, codes):
+            with self.lease.held() if self.lease is not None else _NO_LEASE:
+                return self.dec.decode(slots, codes)
+
+        call_s, frame_s, table = measure_codec_calls(decode, self.codebooks,
+                                                     self.dec.max_slots, self.dec.reset)
+        return dict({f"call_s_n{n}_b{b}": s for n, b, s in table},
+                    codec_call_s=call_s, codec_frame_s=frame_s)
 
     def _first_size(self, st: _Stream) -> int:
         """A stream's first chunk: its policy's, one frame more when other streams are active.
@@ -378,8 +375,9 @@ class CodecStage:
                     voice_primes_cached=len(self.primed))
 
 
-def run_codec_stage(spec, frames_handle, audio_handle) -> None:
-    """Process entry point: consume ``frames``, produce ``audio``."""
+def run_codec_stage(spec, ctrl: ControlChannel, frames_handle, audio_handle) -> None:
+    """Process entry point: consume ``frames``, produce ``audio``; answer cost measurements
+    (``MeasureCosts``) on ``ctrl``."""
     level = pin_decode_isa() if spec.device == "cpu" else None  # before any oneDNN primitive
     start_stage("codec", spec)
     from omni_stream.checkpoints.io import load_codec
@@ -413,11 +411,24 @@ def run_codec_stage(spec, frames_handle, audio_handle) -> None:
                 stage.on_message(m)
                 m = inp.get(timeout=0)
             did = stage.iterate()
+            _control(stage, ctrl)
     finally:
         stepstats.dump()
         inp.close()
         out.close()
         orphan_cleanup()
+
+
+def _control(stage: CodecStage, ctrl: ControlChannel) -> None:
+    """Requests on the stage's control channel: ``MeasureCosts`` (the answer is a StatsReply
+    of its id)."""
+    try:
+        while (msg := ctrl.recv(timeout=0)) is not None:
+            if isinstance(msg, MeasureCosts):
+                ctrl.send(StatsReply(stage="codec", pid=os.getpid(), request_id=msg.request_id,
+                                     stats=stage.measure()))
+    except (ChannelClosed, OSError):
+        pass  # the server is going away: parent_alive() ends the loop
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -43,7 +43,6 @@ from omni_stream.stages.talker_scheduler import (FrameEnd, StreamState, TalkerSc
 from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelClosed,
                                    ControlChannel, CostUpdate, FailReason, Flags, MeasureCosts,
                                    MsgKind, Ring, Shutdown, StatsReply, StatsRequest, StreamStart)
-from omni_stream.stages.codec_stage import MEASURE_STREAM_ID
 from omni_stream.stages.emulate import Emulation
 from omni_stream.stages.faults import FaultPlan
 from omni_stream.stages.proc import StageSpec, orphan_cleanup, start_stage
@@ -120,8 +119,8 @@ class TalkerStage:
     @torch.inference_mode()
     def measure(self) -> dict[str, float]:
         """Time the frame step alone at each batch size up to the slot count, and the prefill
-        (``edge.measure``), then ask the codec stage to time its calls. Run only while no
-        stream is in a slot (the backend measures before it admits any)."""
+        (``edge.measure``). Run only while no stream is in a slot (the backend measures before
+        it admits any, then asks the codec stage for its own)."""
         from omni_stream.edge.measure import measure_frame_steps
 
         assert not any(self.sched.slots), "measure() needs every slot free"
@@ -129,7 +128,6 @@ class TalkerStage:
                                                 self.engine.shape.max_slots)
         self.sched.cost = cost = PrefillCostModel.fit(prefills)
         self.sched.frame_s = frame_s[0]
-        self._event(MEASURE_STREAM_ID, 0)
         out = {f"frame_s_{i + 1}": v for i, v in enumerate(frame_s)}
         return dict(out, prefill_fixed_s=cost.fixed_s, prefill_token_s=cost.per_token_s,
                     emulated=int(self.emulation.active))

@@ -174,10 +174,10 @@ class StatsReply(msgspec.Struct, tag="stats_reply", tag_field="type", frozen=Tru
 
 
 class MeasureCosts(msgspec.Struct, tag="measure_costs", tag_field="type", frozen=True):
-    """Measure the memory read bandwidth and, with ``parts``, time the frame step at each batch
-    size and the prefill, then have the codec stage time its calls (``edge.measure``); the
-    talker answers with a StatsReply of this request_id and (``parts``) the codec with a
-    MEASURE event on the audio ring."""
+    """To the talker: measure the memory read bandwidth and, with ``parts``, time the frame step
+    at each batch size and the prefill; to the codec stage: time its calls (``edge.measure``).
+    Each answers on its own control channel with a StatsReply of this request_id
+    (``orchestrator.costs`` asks them one after the other, never while streams run)."""
 
     request_id: int = 0
     parts: bool = True
