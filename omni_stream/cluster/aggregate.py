@@ -29,6 +29,8 @@ import aiohttp
 from omni_stream.server.dashboard import STATS_PATH, merge_stats
 from omni_stream.server.metrics import CONTENT_TYPE
 
+PEER_TIMEOUT_S = 3.0  # how long a replica waits for a peer's /health, /metrics or stats
+
 # name, labels, " value [timestamp]" (a value: a float, NaN or +/-Inf)
 _LABELS = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?"
                      r"(\s+(?:[-+]?(?:[0-9.]+(?:[eE][-+]?[0-9]+)?|Inf)|NaN)(?:\s+-?[0-9]+)?\s*)$")
@@ -130,7 +132,6 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def cluster_health(replica, scope, receive, send) -> None:
-    from omni_stream.cluster.replica import PEER_TIMEOUT_S
 
     peers = await replica.peers()
     session = replica.forward.session()
@@ -160,7 +161,6 @@ async def cluster_health(replica, scope, receive, send) -> None:
 
 
 async def cluster_metrics(replica, scope, receive, send) -> None:
-    from omni_stream.cluster.replica import PEER_TIMEOUT_S
 
     headers = _auth(scope)
     session = replica.forward.session()
@@ -198,7 +198,6 @@ async def cluster_metrics(replica, scope, receive, send) -> None:
 
 
 async def cluster_stats(replica, scope, receive, send) -> None:
-    from omni_stream.cluster.replica import PEER_TIMEOUT_S
 
     headers = _auth(scope)
     session = replica.forward.session()

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from omni_stream.cluster.aggregate import PEER_TIMEOUT_S
 from omni_stream.cluster.forward import Forwarder
 from omni_stream.cluster.reap import pipeline_record, this_process
 from omni_stream.cluster.registry import HEARTBEAT_S, RemoteVoiceStore, registry_handle
@@ -41,7 +42,6 @@ from omni_stream.cluster.registry import HEARTBEAT_S, RemoteVoiceStore, registry
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-omni-stream-replica"  # names the replica that served a response
-PEER_TIMEOUT_S = 3.0
 
 
 class ServerThread:
