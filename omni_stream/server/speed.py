@@ -56,8 +56,8 @@ def require_speed(speed: float, param: str = "speed") -> None:
     """400 ``unsupported_speed`` where ``speed`` != 1.0 and the stretcher is not installed."""
     if speed != 1.0 and not speed_available():
         raise ApiError(400, f"'{param}' {speed} needs the pylibrb package, which this server "
-                       "lacks (pip install pylibrb; omni-stream installs it on x86-64): omit "
-                       "speed or install it", code="unsupported_speed", param=param)
+                       "lacks: pip install 'omni-stream[speed]' (Linux x86-64; scripts/setup.sh "
+                       "installs it), or omit speed", code="unsupported_speed", param=param)
 
 
 class StretchError(RuntimeError):
