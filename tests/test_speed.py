@@ -127,6 +127,26 @@ def test_stretcher_fault_fails_that_stream_only(monkeypatch):
     assert good[0] == 200 and len(good[2]) > 0
 
 
+def test_without_the_stretcher_speed_is_refused_by_name_and_one_still_serves(monkeypatch):
+    from omni_stream.server import speed as speed_mod
+
+    monkeypatch.setattr(speed_mod, "speed_available", lambda: False)
+
+    async def main():
+        async with running_server(FakeBackend()) as url, aiohttp.ClientSession() as s:
+            refused = await post(s, url, {"input": "Hello.", "speed": 1.5,
+                                          "response_format": "pcm", "stream": False})
+            one = await post(s, url, {"input": "Hello.", "speed": 1.0, "response_format": "pcm",
+                                      "stream": False})
+            return refused, one
+
+    refused, one = arun(main())
+    err = json.loads(refused[2])["error"]
+    assert refused[0] == 400 and err["code"] == "unsupported_speed" and err["param"] == "speed"
+    assert "omni-stream[speed]" in err["message"]
+    assert one[0] == 200 and len(one[2]) > 0
+
+
 async def _ws_pcm(ws) -> list[tuple[dict, bytes]]:
     """(audio.start, pcm) per utterance until session.done."""
     out: list[tuple[dict, bytes]] = []
