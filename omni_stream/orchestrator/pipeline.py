@@ -25,7 +25,7 @@ from omni_stream.orchestrator.settings import PipelineSettings
 from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
 from omni_stream.stages.cp_stage import run_cp_stage
 from omni_stream.stages.proc import StageSpec
-from omni_stream.stages.talker_stage import run_talker_stage
+from omni_stream.stages.talker_proc import run_talker_stage
 from omni_stream.transport import (ChannelClosed, ControlChannel, Message, Ring, Shutdown,
                                    StatsReply)
 
