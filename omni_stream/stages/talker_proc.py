@@ -134,9 +134,3 @@ def _timed(fn, name: str):
         with stepstats.phase(name):
             return fn(p)
     return wrapped
-
-
-def os.getpid() -> int:
-    import os
-
-    return os.getpid()
