@@ -235,7 +235,7 @@ def test_profile_notes_say_what_bf16_decoding_and_each_weight_path_cost():
     """A CPU profile decoding in bf16 says how far Code2Wav's audio is from fp32; a low-bit
     weight path prints its measured fidelity, and one below the faithful floor (int4) says
     what that costs and the fix; exact settings carry no note."""
-    from omni_stream.edge.adapt import FAITHFUL_DB, PATH_FIDELITY
+    from omni_stream.edge.derive import FAITHFUL_DB, PATH_FIDELITY
 
     bf16 = format_profile(DeployProfile(dtype="bfloat16", weight_path="int4"), {})
     assert "Code2Wav decodes in bf16" in bf16 and "weight_path int4" in bf16

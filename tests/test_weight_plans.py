@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from omni_stream.config import ModelConfig
-from omni_stream.edge import adapt
-from omni_stream.edge.adapt import DeployProfile, build_profile, priced_weight_path
+from omni_stream.edge import derive
+from omni_stream.edge.adapt import DeployProfile, build_profile
+from omni_stream.edge.derive import priced_weight_path
 from omni_stream.engine import quant
 from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.engine.loading import NATIVE_PLANS
@@ -114,9 +115,9 @@ def test_a_mixed_plan_runs_end_to_end_and_reloads_from_the_pack_cache(tiny_model
 
 def test_pricing_picks_the_most_faithful_path_that_is_real_time():
     t = _cfg("0.6b").talker
-    fb = {wp: plans.frame_weight_bytes(t, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
-    budget = adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * adapt.NATIVE_READ_EFFICIENCY * 1e9
-    order = adapt.NATIVE_PATHS_BY_FIDELITY
+    fb = {wp: plans.frame_weight_bytes(t, NATIVE_PLANS[wp]) for wp in derive.NATIVE_PATHS_BY_FIDELITY}
+    budget = derive.REALTIME_MODEL_SHARE * derive.FRAME_S * derive.NATIVE_READ_EFFICIENCY * 1e9
+    order = derive.NATIVE_PATHS_BY_FIDELITY
     assert priced_weight_path(fb, 1e6) == order[0]
     assert priced_weight_path(fb, 0.01) == "int4"  # nothing fits: the fastest
     for wp in order:  # at the bandwidth where a path just fits, it (or a more faithful one) wins
@@ -130,7 +131,7 @@ def test_pricing_picks_the_most_faithful_path_that_is_real_time():
 
 def test_frame_reads_split_the_frame_bytes_by_stack_and_kind():
     t = _cfg("0.6b").talker
-    for wp in adapt.NATIVE_PATHS_BY_FIDELITY:
+    for wp in derive.NATIVE_PATHS_BY_FIDELITY:
         r = plans.frame_reads(t, NATIVE_PLANS[wp])
         assert r.total == plans.frame_weight_bytes(t, NATIVE_PLANS[wp])
         assert r.sub_steps == t.num_code_groups - 1 == 15
@@ -145,26 +146,26 @@ def test_cache_resident_code_predictor_reads_are_priced_at_their_kernels_rate():
     of its size (a large cache's, or memory's). Without rates it is bytes over bandwidth."""
     t = _cfg("0.6b").talker
     r = plans.frame_reads(t, NATIVE_PLANS["mixed"])
-    mem = 30.0 * adapt.NATIVE_READ_EFFICIENCY * 1e9
-    bytes_only = adapt.priced_frame_s(r, 30.0)
+    mem = 30.0 * derive.NATIVE_READ_EFFICIENCY * 1e9
+    bytes_only = derive.priced_frame_s(r, 30.0)
     assert bytes_only == pytest.approx(r.total / mem)
     fast = {k: 1e6 for k in ("q5", "q6", "q8g")}
-    assert adapt.priced_frame_s(r, 30.0, fast, 30.0) == pytest.approx(bytes_only)
+    assert derive.priced_frame_s(r, 30.0, fast, 30.0) == pytest.approx(bytes_only)
     # a re-read below memory's bandwidth is noise: never priced slower than memory
-    assert adapt.priced_frame_s(r, 30.0, fast, 3.0) == pytest.approx(bytes_only)
-    cached = adapt.priced_frame_s(r, 30.0, fast, 300.0)  # a big L3 holds the code predictor
+    assert derive.priced_frame_s(r, 30.0, fast, 3.0) == pytest.approx(bytes_only)
+    cached = derive.priced_frame_s(r, 30.0, fast, 300.0)  # a big L3 holds the code predictor
     first = (sum(r.talker.values()) + r.cp_bytes) / mem
     assert cached == pytest.approx(first + 14 * r.cp_bytes / 300e9)
     # kernels slower than the cache bound the re-reads; slower than memory, every read
     slow = {"q5": 40.0, "q6": 40.0, "q8g": 20.0}
-    bound = adapt.priced_frame_s(r, 30.0, slow, 300.0)
+    bound = derive.priced_frame_s(r, 30.0, slow, 300.0)
     want = (r.talker["q5"] / 30e9 + r.talker["q8g"] / 20e9
             + r.cp["q5"] / 30e9 + r.cp["q6"] / 30e9 + r.cp["q8g"] / 20e9
             + 14 * (r.cp["q5"] / 40e9 + r.cp["q6"] / 40e9 + r.cp["q8g"] / 20e9))
     assert bound == pytest.approx(want)
-    assert cached < bound and bytes_only < adapt.priced_frame_s(r, 30.0, slow, None)
+    assert cached < bound and bytes_only < derive.priced_frame_s(r, 30.0, slow, None)
     # an unmeasured kind is unbounded
-    assert adapt.priced_frame_s(r, 30.0, {}, None) == pytest.approx(bytes_only)
+    assert derive.priced_frame_s(r, 30.0, {}, None) == pytest.approx(bytes_only)
 
 
 def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monkeypatch):
@@ -180,7 +181,7 @@ def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monk
     from omni_stream.orchestrator import flags
 
     hw = probe(str(Path(__file__).parent / "data" / "hw" / "local_xeon_2c"), None)
-    assert hw.source == "probe" and adapt.NATIVE_ISA <= hw.isa
+    assert hw.source == "probe" and derive.NATIVE_ISA <= hw.isa
     cfg = _cfg("0.6b")
     monkeypatch.delenv(flags.BANDWIDTH_ENV, raising=False)
     threads = []
@@ -194,8 +195,8 @@ def test_a_measured_machine_prices_each_path_from_its_kernels_and_its_cache(monk
     bw, priced = flags._weight_path_pricing(hw, cfg)
     assert bw == 25.0 and set(threads) == {1}
     reads = plans.frame_reads(cfg.talker, NATIVE_PLANS["mixed"])
-    mem = 25.0 * 1e9 * adapt.NATIVE_READ_EFFICIENCY
-    want = adapt.priced_frame_s(reads, 25.0, {k: 40.0 * hw.physical_cores for k in packing.KINDS}, 400.0)
+    mem = 25.0 * 1e9 * derive.NATIVE_READ_EFFICIENCY
+    want = derive.priced_frame_s(reads, 25.0, {k: 40.0 * hw.physical_cores for k in packing.KINDS}, 400.0)
     assert priced["mixed"] == round(want * mem) < reads.total
     kw = dict(model_bytes=1_800_000_000, kv_bytes_per_token=28 * 8 * 128 * 4)
     by_bytes, _ = build_profile(hw, bandwidth_gbs=25.0, frame_bytes={
@@ -217,7 +218,7 @@ def test_the_profile_prices_by_bandwidth_only_where_the_native_runtime_runs():
 
     hw = probe(str(Path(__file__).parent / "data" / "hw" / "local_xeon_2c"), None)  # 2 cores, VNNI
     cfg = _cfg("0.6b")
-    fb = {wp: plans.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in adapt.NATIVE_PATHS_BY_FIDELITY}
+    fb = {wp: plans.frame_weight_bytes(cfg.talker, NATIVE_PLANS[wp]) for wp in derive.NATIVE_PATHS_BY_FIDELITY}
     kw = dict(model_bytes=1_800_000_000, kv_bytes_per_token=28 * 8 * 128 * 4, frame_bytes=fb)
     slow, _ = build_profile(hw, bandwidth_gbs=10.0, **kw)
     fast, src = build_profile(hw, bandwidth_gbs=60.0, **kw)

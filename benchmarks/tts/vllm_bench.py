@@ -61,7 +61,6 @@ def _pct(xs: list[float], q: float) -> float:
 def candidate(model: str, engine: str, weight_path: str | None, dtype: str, device: str,
               steps: int, ttfa_n: int, frames: int, threads: int) -> dict:
     """One candidate, in this (fresh) process."""
-    import numpy as np
     import torch
 
     from omni_stream.config import SamplingParams
@@ -170,7 +169,7 @@ def _fidelity(name: str, spec) -> str:
         row = next(r for r in rows if r.get("path") == f"{engine}-{wp}")
         return f"talker logits {row['fidelity']['logits_snr_db']:.1f} dB (cpu_engine_bench)"
     except (OSError, KeyError, StopIteration, ValueError, TypeError):
-        from omni_stream.edge.adapt import PATH_FIDELITY
+        from omni_stream.edge.derive import PATH_FIDELITY
 
         fid = PATH_FIDELITY.get((engine, wp))
         return f"talker logits {fid['talker']:.1f} dB (edge.adapt table)" if fid else "?"

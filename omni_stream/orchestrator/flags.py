@@ -92,18 +92,18 @@ BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
 
 def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
     """(read bandwidth, what a frame of each native weight path costs, in bytes read at that
-    bandwidth) for the profile to price weight paths with (``edge.adapt.priced_weight_path``).
+    bandwidth) for the profile to price weight paths with (``edge.derive.priced_weight_path``).
     The bandwidth is ``OMNI_STREAM_BANDWIDTH_GBS`` if set (then a frame costs its weight bytes:
     nothing else is known of that machine), else measured on every core the talker may use,
     once per process (the profile is built twice at start-up). A measured machine also gets
     each weight kind's cache-resident kernel rate and, per path, the read bandwidth over a
     buffer the size of the code predictor's weights, which it reads 15 times a frame: where a
     large cache keeps them between sub-steps (an AMX Xeon's 300 MB L3) the re-reads are bound
-    by the kernels, not by memory (``edge.adapt.priced_frame_s``). Each path's priced frame is
+    by the kernels, not by memory (``edge.derive.priced_frame_s``). Each path's priced frame is
     logged; None where the hardware is an override describing another machine."""
     import os
 
-    from omni_stream.edge import adapt
+    from omni_stream.edge import derive
     from omni_stream.edge.measure import memory_bandwidth_gbs
     from omni_stream.engine.cpu.plans import frame_reads, kernel_read_gbs
     from omni_stream.engine.loading import NATIVE_PLANS
@@ -123,12 +123,12 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
     elif hw.source != "probe":
         return None, frame_bytes
     else:
-        threads = min(hw.physical_cores, adapt.MAX_STAGE_THREADS)
+        threads = min(hw.physical_cores, derive.MAX_STAGE_THREADS)
         key, how = threads, f"measured on {threads} threads"
     if key not in _BANDWIDTH:
         gbs = bw if env else memory_bandwidth_gbs(key)
         priced, detail = dict(frame_bytes), ""
-        if not env and adapt.NATIVE_ISA <= hw.isa:
+        if not env and derive.NATIVE_ISA <= hw.isa:
             try:
                 kinds = sorted({k for r in reads.values() for k in (*r.talker, *r.cp)})
                 # one thread's rate times the threads: the products split their rows across
@@ -140,8 +140,8 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
                 log.warning("weight paths priced by bytes alone: the kernels' rates could not "
                             "be measured (%s)", e)
             else:
-                mem = gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY
-                priced = {wp: round(adapt.priced_frame_s(r, gbs, rates, reread[wp]) * mem)
+                mem = gbs * 1e9 * derive.NATIVE_READ_EFFICIENCY
+                priced = {wp: round(derive.priced_frame_s(r, gbs, rates, reread[wp]) * mem)
                           for wp, r in reads.items()}
                 detail = ("; kernels from cache " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
                           + " GB/s; code predictor re-read at " + ", ".join(
@@ -149,9 +149,9 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
         _BANDWIDTH[key] = (gbs, priced)
         log.info("weight paths priced at %.1f GB/s (%s)%s: %s per frame (real time: <= %.0f ms)",
                  gbs, how, detail,
-                 ", ".join(f"{wp} {b / (gbs * 1e9 * adapt.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
+                 ", ".join(f"{wp} {b / (gbs * 1e9 * derive.NATIVE_READ_EFFICIENCY) * 1e3:.0f} ms"
                            for wp, b in priced.items()),
-                 adapt.REALTIME_MODEL_SHARE * adapt.FRAME_S * 1e3)
+                 derive.REALTIME_MODEL_SHARE * derive.FRAME_S * 1e3)
     return _BANDWIDTH[key]
 
 
