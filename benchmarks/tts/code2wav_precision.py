@@ -190,7 +190,7 @@ def _stage_kernels(model_path: str):
     """What the codec stage runs on a CPU: bf16, packed weights, the one-pass Snake (None where
     oneDNN's packing is unavailable)."""
     from omni_stream.checkpoints.io import load_codec
-    from omni_stream.models.code2wav_blocks import onednn_packing_available
+    from omni_stream.models.code2wav_gemm import onednn_packing_available
     from omni_stream.stages.codec_stage import stage_kernels
 
     m = load_codec(model_path, dtype=torch.bfloat16)

@@ -5,7 +5,7 @@ for the server (fixed batch slots, no allocation) but cannot be exported: an exp
 for a phone must take the stream's state as inputs and hand the next state back as outputs.
 ``Code2WavStep`` runs the very same layers (so the math cannot drift from the server's decoder)
 with an ``ExplicitState`` in place of the slot state: the modules reach their state only through
-``_Step.advance/tail/kv``, which here read the given tensors and keep the updates as the new
+``Step.advance/tail/kv``, which here read the given tensors and keep the updates as the new
 state. The result is a function of its inputs only, which ``torch.export`` traces into a
 program with explicit state in and out. The one-frame ONNX step for NPUs
 (``onnx_step.Code2WavOnnxStep``) runs the same modules over the same ``ExplicitState``, with
@@ -24,14 +24,14 @@ from torch import Tensor, nn
 
 from omni_stream.export.manifest import TensorSpec
 from omni_stream.models.code2wav import Code2Wav, Code2WavState
-from omni_stream.models.code2wav_blocks import _Step
+from omni_stream.models.code2wav_state import Step
 
 __all__ = ["Code2WavStep", "ExplicitState", "flatten_state", "initial_state",
            "native_conv_kernels", "state_specs"]
 
 
-class ExplicitState(_Step):
-    """One stream's Code2Wav state as explicit tensors, for the modules' ``_Step`` calls: reads
+class ExplicitState(Step):
+    """One stream's Code2Wav state as explicit tensors, for the modules' ``Step`` calls: reads
     return the given tensors, writes are kept as the next state (``new_*``). Nothing is written
     in place, so a step over it is a pure function of its inputs that an exporter can trace.
 

@@ -32,10 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from omni_stream.config import Code2WavConfig
-from omni_stream.models.code2wav_blocks import (DEFAULT_GEMM_MIN_CHANNELS, CausalConv1d, ConvNeXtBlock,
-                                              CausalTransConv1d, Code2WavState, DecoderBlock,
-                                              DecoderTransformer, SnakeBeta, SplitResidualVQ,
-                                              _Step, onednn_packing_available, pack_linear)
+from omni_stream.models.code2wav_blocks import (CausalConv1d, CausalTransConv1d, ConvNeXtBlock,
+                                              DecoderBlock, SnakeBeta, SplitResidualVQ)
+from omni_stream.models.code2wav_gemm import (DEFAULT_GEMM_MIN_CHANNELS, onednn_packing_available,
+                                            pack_onednn_linear)
+from omni_stream.models.code2wav_state import Code2WavState, Step
+from omni_stream.models.code2wav_transformer import DecoderTransformer
 from omni_stream.models.layers import RMSNorm
 
 __all__ = ["Code2Wav", "Code2WavState", "Code2WavStream", "random_code2wav_state_dict"]
@@ -101,7 +103,7 @@ class Code2Wav(nn.Module):
             if isinstance(m, (CausalConv1d, CausalTransConv1d)):
                 m.pack()
             elif isinstance(m, nn.Linear):
-                pack_linear(m)
+                pack_onednn_linear(m)
             elif isinstance(m, SnakeBeta) and snake is not None:
                 m.pack(snake)
         self.packed = True
@@ -123,7 +125,7 @@ class Code2Wav(nn.Module):
             raise ValueError(f"codes must lie in [0, {size}) (codebook_size), got values in [{lo}, {hi}]")
         return codes.long()
 
-    def _run(self, codes: Tensor, step: _Step | None, cos: Tensor | None = None,
+    def _run(self, codes: Tensor, step: Step | None, cos: Tensor | None = None,
              sin: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         """[B, Q, T] -> [B, T*spf]. ``cos``/``sin``/``mask``: the transformer's rotary angles and
         mask when the caller computes them (``DecoderTransformer.forward``); else derived here."""
@@ -160,7 +162,7 @@ class Code2Wav(nn.Module):
     def step(self, state: Code2WavState, idx: Tensor, codes: Tensor) -> Tensor:
         """Hot path, unchecked: decode ``codes [s, Q, n]`` (int64) as the next frames of slots
         ``idx [s]`` (distinct, int64) and return exactly the new samples ``[s, n * spf]``."""
-        return self._run(codes, _Step(state, idx))
+        return self._run(codes, Step(state, idx))
 
 
 class Code2WavStream:
