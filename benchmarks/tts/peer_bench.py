@@ -303,7 +303,9 @@ def markdown(doc: dict) -> str:
     bw = doc["bandwidth_gbs_by_threads"]
     return "\n".join([
         "# omni-stream beside the CPU peers (talker + code predictor per 80 ms frame)", "",
-        f"Command: `{doc['command']}`  ", f"Checkpoint: `{doc['model']}` (random weights, released layout); "
+        f"Command: `{doc['command']}`  "
+        + (f"\nFidelity rows: `{doc['fidelity_command']}` (from the same runs' codes and audio)  "
+           if doc.get("fidelity_command") else ""), f"Checkpoint: `{doc['model']}` (random weights, released layout); "
         f"prompt: \"{TEXT}\", speaker ryan, english, greedy.  ",
         f"Machine: {m.get('label')}; read bandwidth {bw.get('1')} GB/s on 1 thread, {bw.get('2')} GB/s on 2 "
         f"(measured at the start; load average {m.get('load_avg_at_start')})"
@@ -352,16 +354,27 @@ def main() -> int:
     ap.add_argument("--no-omni", action="store_true", help="peers only")
     ap.add_argument("--out", default=str(RESULTS / "peer_bench.json"))
     ap.add_argument("--report", action="store_true", help="re-render --out's .md and table from its JSON")
+    ap.add_argument("--fidelity-only", action="store_true",
+                    help="recompute --out's fidelity rows from its runs' folder (--runs-dir), keep its timings")
+    ap.add_argument("--runs-dir", default=None, help="with --fidelity-only: the timed runs' folder")
     a = ap.parse_args()
-    if a.report:
+    if a.report or a.fidelity_only:
         doc = json.loads(Path(a.out).read_text())
+        if a.fidelity_only:  # the timed runs' codes and audio are still in their folder
+            runs_dir = Path(a.runs_dir or doc["runs_dir"])
+            impls = list(dict.fromkeys(r["impl"] for r in doc["rows"]))
+            doc["fidelity"] = fidelity(Path(doc["model"]), doc["fidelity_frames"], runs_dir, impls,
+                                       max(int(t) for t in doc["bandwidth_gbs_by_threads"]))
+            doc["runs_dir"] = str(runs_dir)
+            doc["fidelity_command"] = "python benchmarks/tts/peer_bench.py " + " ".join(sys.argv[1:])
+            Path(a.out).write_text(json.dumps(doc, indent=1))
         Path(a.out).with_suffix(".md").write_text(markdown(doc))
         print_table(doc)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs every file it opens
     if not a.model:
-        ap.error("--model is required (a checkpoint folder), except with --report")
+        ap.error("--model is required (a checkpoint folder), except with --report / --fidelity-only")
     ck = Path(a.model).resolve()
     precs = [p for p in a.precisions.split(",") if p]
     for p in precs:
