@@ -85,21 +85,64 @@ def ref_ids(tok: TextTokenizer, text: str) -> list[int]:
     return tok.encode(ref_text(text))[3:-2]
 
 
+def speech_ids(tok: TextTokenizer, text: str) -> list[int]:
+    """The text-track ids of the text to speak (without the role, <|im_end|> and the next turn),
+    as :meth:`PromptBuilder.build` lays them out."""
+    return tok.encode(assistant_text(text))[3:-5]
+
+
+def language_id(cfg: ModelConfig, req: PromptRequest) -> int | None:
+    """The codec prefix's language token (None: auto, no language slot). A speaker with a
+    dialect speaks it when the language is Chinese or auto. PromptError on an unknown one."""
+    lang = (req.language or "auto").lower()
+    lang_id = None
+    if lang != "auto":
+        if lang not in cfg.talker.languages or "dialect" in lang:
+            supported = ["auto"] + sorted(k for k in cfg.talker.languages if "dialect" not in k)
+            raise PromptError(f"unknown language '{req.language}': supported are "
+                              f"{', '.join(supported)}")
+        lang_id = cfg.talker.languages[lang]
+    if req.speaker and lang in ("chinese", "auto"):
+        dialect = cfg.talker.speaker_dialect.get(req.speaker.lower())
+        if dialect:
+            lang_id = cfg.talker.languages[dialect]
+    return lang_id
+
+
+def prompt_length(cfg: ModelConfig, tok: TextTokenizer, req: PromptRequest,
+                  text_tokens: int | None = None) -> int:
+    """Positions :meth:`PromptBuilder.build` gives ``req``'s prompt (``Prompt.length``), counted
+    from the layout above without building embeddings: what a stream's KV and frame room are
+    priced by before it is sent to the talker. ``text_tokens``: the count of the text's ids
+    where the caller has it (it is then not tokenized again)."""
+    def text() -> int:
+        if text_tokens is not None:
+            return text_tokens
+        return len(req.text_ids) if req.text_ids is not None else len(speech_ids(tok, req.text))
+
+    speaker = req.speaker is not None or req.x_vector is not None
+    codec = (3 if language_id(cfg, req) is None else 4) + speaker + 2  # prefix, speaker, pad bos
+    n = 3 + codec - 1  # role, then the head (the codec track but its bos)
+    if req.instructions and req.instructions.strip() and cfg.supports_instructions:
+        n += len(tok.encode(instruct_text(req.instructions)))
+    c = req.clone
+    if c is not None and c.icl:
+        frames = 1 + len(c.ref_codes)  # codec bos + the reference frames
+        if req.stream_text:  # the text track runs alongside (its rest trails into the decode)
+            return n + frames
+        eos = 0 if req.text_open else 1
+        return n + len(ref_ids(tok, c.ref_text)) + text() + eos + frames
+    if req.stream_text:
+        return n + 1  # the first text token over codec bos
+    return n + text() + 2  # the text, tts_eos, then tts_pad over codec bos
+
+
 class PromptBuilder:
     def __init__(self, cfg: ModelConfig, talker: Talker, tokenizer: TextTokenizer) -> None:
         self.cfg = cfg
         self.talker = talker
         self.tok = tokenizer
-        self.languages = ["auto"] + sorted(k for k in cfg.talker.languages if "dialect" not in k)
         self.speakers = sorted(cfg.talker.speakers)
-
-    def resolve_language(self, language: str | None) -> int | None:
-        lang = (language or "auto").lower()
-        if lang == "auto":
-            return None
-        if lang not in self.cfg.talker.languages or "dialect" in lang:
-            raise PromptError(f"unknown language '{language}': supported are {', '.join(self.languages)}")
-        return self.cfg.talker.languages[lang]
 
     def validate(self, req: PromptRequest) -> None:
         if req.text_ids is not None:
@@ -110,7 +153,7 @@ class PromptBuilder:
                 raise PromptError(f"text token ids must lie in [0, {vocab})")
         elif not req.text or not req.text.strip():
             raise PromptError("input text is empty: send at least one word")
-        self.resolve_language(req.language)
+        language_id(self.cfg, req)
         v = self.cfg.variant
         if req.speaker is not None and req.speaker.lower() not in self.cfg.talker.speakers:
             if not self.speakers:
@@ -161,12 +204,8 @@ class PromptBuilder:
         t = self.talker
         sp = self.cfg.talker.special
         dev = t.model.codec_embedding.weight.device
-        lang_id = self.resolve_language(req.language)
+        lang_id = language_id(self.cfg, req)
         speaker = req.speaker.lower() if req.speaker else None
-        if speaker is not None and (req.language or "auto").lower() in ("chinese", "auto"):
-            dialect = self.cfg.talker.speaker_dialect.get(speaker)
-            if dialect:
-                lang_id = self.cfg.talker.languages[dialect]
 
         ids = self.tok.encode(assistant_text(req.text if req.text_ids is None else ""))
         text_ids = ids[3:-5] if req.text_ids is None else list(req.text_ids)

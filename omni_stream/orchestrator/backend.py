@@ -33,7 +33,7 @@ from typing import AsyncGenerator
 from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
-from omni_stream.models.prompt import assistant_text, instruct_text, ref_ids
+from omni_stream.models.prompt import PromptRequest, prompt_length, ref_ids, speech_ids
 from omni_stream.models.text_stream import IncrementalTokenizer
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
@@ -116,18 +116,14 @@ class PipelineBackend:
 
     def text_tokens(self, job: SpeechJob) -> int:
         """Tokens of the text to speak (what the default frame cap follows)."""
-        return len(self.tokenizer.encode(assistant_text(job.text))) - 8
+        return len(speech_ids(self.tokenizer, job.text))
 
     def prompt_tokens(self, job: SpeechJob, text_tokens: int | None = None) -> int:
-        """Talker positions the prompt will take (an upper bound; exact for text and instruction)."""
-        text = self.text_tokens(job) if text_tokens is None else text_tokens
-        n = 3 + 6 + text + 2  # role, codec prefix (think.., language, speaker, pad), eos, bos
-        if job.instructions and self.supports_instructions:
-            n += len(self.tokenizer.encode(instruct_text(job.instructions)))
-        c = job.clone
-        if c is not None and c.icl:  # the reference transcript and frames come first
-            n += len(ref_ids(self.tokenizer, c.ref_text)) + len(c.ref_codes)
-        return n
+        """Talker positions the prompt will take, as the talker stage will build it."""
+        return prompt_length(self.cfg, self.tokenizer, PromptRequest(
+            text=job.text, language=job.language, speaker=job.voice, instructions=job.instructions,
+            clone=job.clone, stream_text=job.clone is not None or job.text_feed is not None),
+            text_tokens)
 
     # ------------------------------------------------------------------ Backend API
     def voices(self) -> list[str]:
