@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import msgspec
 
 VARIANTS = ("custom_voice", "voice_design", "base")
+FRAME_S = 0.08  # seconds of audio per codec frame: the 12.5 Hz codec of every variant
 
 
 class ConfigError(ValueError):

@@ -27,7 +27,6 @@ import numpy as np
 from omni_stream.scheduling.admission import TOO_LARGE, Rejected
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
-FRAME_SECONDS = 0.08  # one codec frame of the 12.5 Hz codec
 
 
 class TextFeed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from omni_stream.config import FRAME_S
 from omni_stream.edge.probe import HardwareProfile
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
 
@@ -56,7 +57,6 @@ PATH_FIDELITY = {
 FAITHFUL_DB = 20.0  # the floor of the default (talker and code-predictor logits, both checkpoints)
 NATIVE_READ_EFFICIENCY = 1.0
 REALTIME_MODEL_SHARE = 0.6
-FRAME_S = 0.08
 SPLIT_MIN_CORES = 8  # a separate code-predictor process pays off only with cores to spare
 MAX_STAGE_THREADS = 8  # per-frame GEMMs are tiny (batch = streams); more threads only sync
 # Memory usable for weights + KV when no free figure is given: the rest is the OS, activations,

@@ -32,11 +32,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from omni_stream.config import FRAME_S
+
 from . import stepstats
 
 log = logging.getLogger(__name__)
 
-FRAME_MS = 80.0
+FRAME_MS = FRAME_S * 1e3
 FRAMES_PHASE = "talker.step"
 TOTAL_PHASE = "frame.total"
 CRITICAL_PREFIXES: tuple[str, ...] = ("talker.",)

@@ -49,12 +49,12 @@ from typing import Any
 
 import msgspec
 
+from omni_stream.config import FRAME_S
 from omni_stream.scheduling.attribution import LABELS
 from omni_stream.scheduling.chunking import ChunkCostFit, ChunkPolicy, calibrate_fit
 
 log = logging.getLogger(__name__)
 
-FRAME_S = 0.08  # audio per 12.5 Hz codec frame
 DEFAULT_MARGIN = 0.85
 # capacity rises only while T(capacity + 1) stays this far under the margin (hysteresis band)
 RAISE_BAND = 0.05

@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import msgspec
 
+from omni_stream.config import FRAME_S
 log = logging.getLogger(__name__)
 
-FRAME_AUDIO_S = 0.08  # one 12.5 Hz codec frame of audio
 MAX_GROWTH = 2.0
 
 
@@ -44,7 +44,7 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     steady: int = 8
     growth: float = 2.0
     min_slack_s: float = 0.16
-    audio_frame_s: float = FRAME_AUDIO_S
+    audio_frame_s: float = FRAME_S
     first_requested: bool = False  # ``first`` is a request's own: the server does not adjust it
     # the listener starts playing this long after the first chunk (the server's hold-back on a
     # machine slower than real time): that much more audio is buffered than sent minus played
@@ -107,7 +107,7 @@ class ChunkPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def from_dict(cls, d: dict[str, Any]) -> "ChunkPolicy":
         return cls(first=int(d["first"]), steady=int(d["steady"]), growth=float(d["growth"]),
                    min_slack_s=float(d["min_slack_s"]),
-                   audio_frame_s=float(d.get("audio_frame_s", FRAME_AUDIO_S)))
+                   audio_frame_s=float(d.get("audio_frame_s", FRAME_S)))
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def calibrate(arrivals: Sequence[tuple[int, float]], **kw: Any) -> ChunkPolicy:
     return calibrate_fit(fit_chunk_costs(arrivals), **kw)
 
 
-def calibrate_fit(fit: ChunkCostFit, *, audio_frame_s: float = FRAME_AUDIO_S,
+def calibrate_fit(fit: ChunkCostFit, *, audio_frame_s: float = FRAME_S,
                   target_rtf: float = 0.8, max_first: int = 2, max_steady: int = 32,
                   growth: float = MAX_GROWTH, min_slack_floor_s: float = 0.08,
                   jitter_sigmas: float = 3.0, min_steady: int = 1) -> ChunkPolicy:
@@ -190,4 +190,4 @@ def calibrate_fit(fit: ChunkCostFit, *, audio_frame_s: float = FRAME_AUDIO_S,
 
 __all__ = ["ChunkCostFit", "ChunkPolicy", "calibrate", "calibrate_fit",
            "fit_chunk_costs",
-           "FRAME_AUDIO_S", "MAX_GROWTH"]
+           "MAX_GROWTH"]

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import msgspec
 from aiohttp import web
 
-from omni_stream.contract import FRAME_SECONDS
+from omni_stream.config import FRAME_S
 from omni_stream.scheduling.attribution import (LABELS, MIN_STEPS, PARTS, PartCounters,
                                                 parts_per_step)
 from omni_stream.server.metrics import _step_histogram
@@ -130,7 +130,7 @@ def snapshot(st: Any, sampler: StatsSampler) -> dict[str, Any]:
         k: cap[k] for k in ("capacity_streams", "rtf_estimate", "realtime", "slots", "margin",
                             "contention") if k in cap}
     return {"object": "stats", "model": backend.model_name, "ready": st.ready,
-            "frame_ms": 1e3 * FRAME_SECONDS, "capacity": capacity, "bandwidth_gbs": bandwidth,
+            "frame_ms": 1e3 * FRAME_S, "capacity": capacity, "bandwidth_gbs": bandwidth,
             "streams": {"running": int(stats.get("active_streams", 0)),
                         "queued": int(stats.get("queue_depth", 0)),
                         "refused": _refused(st.metrics)},
@@ -172,7 +172,7 @@ def merge_stats(rows: list[tuple[str, dict[str, Any] | None]]) -> dict[str, Any]
         step_ms = {k: round(sum(b["step_ms"].get(k, 0.0) * int(b.get("steps") or 0)
                                 for b in ok if b.get("step_ms")) / steps, 3) for k in keys}
     return {"object": "stats", "model": next((b.get("model") for b in ok), None),
-            "ready": any(b.get("ready") for b in ok), "frame_ms": 1e3 * FRAME_SECONDS,
+            "ready": any(b.get("ready") for b in ok), "frame_ms": 1e3 * FRAME_S,
             "capacity": capacity, "bandwidth_gbs": min(bws) if bws else None,
             "streams": {k: sum(int(b.get("streams", {}).get(k, 0)) for b in ok)
                         for k in ("running", "queued", "refused")},

@@ -24,6 +24,7 @@ from typing import Any, AsyncGenerator
 
 import numpy as np
 
+from omni_stream.config import FRAME_S
 from omni_stream.scheduling import AdmissionController, ChunkPolicy, Rejected
 from omni_stream.contract import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
 
@@ -117,7 +118,7 @@ class FakeBackend:
     def capacity_info(self) -> dict:
         """As the pipeline's: its slot count, and the RTF its per-frame sleep gives."""
         cap = self.max_streams if self.max_streams is not None else 0
-        rtf = self.frame_delay / 0.08
+        rtf = self.frame_delay / FRAME_S
         return dict(capacity_streams=cap, rtf_estimate=round(rtf, 4), realtime=rtf <= 1,
                     contention=1.0, bandwidth_gbs=0.0, margin=1.0, slots=cap)
 

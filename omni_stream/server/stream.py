@@ -21,7 +21,8 @@ from typing import AsyncGenerator
 
 import numpy as np
 
-from omni_stream.contract import FRAME_SECONDS, AudioChunk, Backend, BackendError, SpeechJob
+from omni_stream.config import FRAME_S
+from omni_stream.contract import AudioChunk, Backend, BackendError, SpeechJob
 from omni_stream.server.errors import ApiError, internal_error
 from omni_stream.server.metrics import ServerMetrics
 from omni_stream.server.speed import Stretcher, StretchError
@@ -66,7 +67,7 @@ class StreamRun:
             else:
                 outcome = "error"
             self.metrics.stream_outcomes.labels(self.endpoint, outcome).inc()
-            self.metrics.audio_seconds.labels(self.endpoint).inc(self.frames_sent * FRAME_SECONDS)
+            self.metrics.audio_seconds.labels(self.endpoint).inc(self.frames_sent * FRAME_S)
             log.debug("%s %s: %d frames, %s", self.endpoint, self.job.request_id,
                       self.frames_sent, outcome)
 

@@ -89,7 +89,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_stream.server import ui
 from omni_stream.server.audio import to_s16le
-from omni_stream.contract import FRAME_SECONDS, NUM_CODE_GROUPS, SpeechJob, TextFeed
+from omni_stream.config import FRAME_S
+from omni_stream.contract import NUM_CODE_GROUPS, SpeechJob, TextFeed
 from omni_stream.server.errors import ApiError
 from omni_stream.server.schema import (ClientEvent, InputCancel, InputDone, InputText,
                                        SessionClose, SessionConfig, check_characters,
@@ -216,7 +217,7 @@ class WsSession:
         backend knows it."""
         b = self.st.backend
         return {"num_codebooks": NUM_CODE_GROUPS, "sample_rate": b.sample_rate,
-                "frame_rate": 1 / FRAME_SECONDS, **(getattr(b, "codec_info", None) or {})}
+                "frame_rate": 1 / FRAME_S, **(getattr(b, "codec_info", None) or {})}
 
     # --- reader --------------------------------------------------------------------------------
     async def run(self) -> None:
