@@ -57,12 +57,13 @@ def _clone_from_args(a: argparse.Namespace, variant: str):
     from pathlib import Path
 
     from omni_stream.checkpoints.default import resolve_model_path
-    from omni_stream.voices.audio import VoiceError, decode_audio
+    from omni_stream.errors import RequestError
+    from omni_stream.voices.audio import decode_audio
     from omni_stream.voices.encode import VoiceEncoder
 
     try:
         wav, sr = decode_audio(Path(a.ref_audio).read_bytes(), param="--ref-audio")
-    except (OSError, VoiceError) as e:
+    except (OSError, RequestError) as e:
         raise SystemExit(f"omni-stream synthesize: --ref-audio {a.ref_audio}: {e}") from None
     return VoiceEncoder(resolve_model_path(a.model)).encode(
         wav, sr, ref_text=None if a.x_vector_only else a.ref_text, x_vector_only=a.x_vector_only)

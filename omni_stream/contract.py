@@ -1,12 +1,12 @@
 """The contract between the server and the model pipeline (the real one or ``FakeBackend``).
 
 It sits below both (``server`` and ``orchestrator`` import it; it imports nothing above
-``scheduling``), so neither side depends on the other. The server never touches the model: a
+``errors``), so neither side depends on the other. The server never touches the model: a
 handler builds a :class:`SpeechJob`, asks the backend to ``validate`` it, then iterates
 ``backend.stream(job)`` and writes each :class:`AudioChunk` as it arrives. Everything the
-server needs to know about failures travels as a :class:`BackendError` carrying its HTTP
-status, so admission control (429/503 with Retry-After) lives in the backend and the server
-only maps it onto the wire.
+server needs to know about failures travels as an ``errors.RequestError`` (``BackendError`` here)
+carrying its HTTP status, so admission control (429/503 with Retry-After) lives in the backend
+and the server only maps it onto the wire.
 
 Cancellation contract: when the client goes away the server stops iterating and closes the
 generator, either with ``aclose()`` (GeneratorExit at the backend's current ``yield``) or by
@@ -24,7 +24,7 @@ from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 
 import numpy as np
 
-from omni_stream.scheduling.admission import TOO_LARGE, Rejected
+from omni_stream.errors import RequestError
 
 NUM_CODE_GROUPS = 16  # codes per frame (code0 from the talker + 15 from the code predictor)
 
@@ -113,44 +113,9 @@ class AudioChunk:
         return self.text_waiting or self.text_waited_s is not None
 
 
-def _backend_error(status, code, message, param, retry_after) -> "BackendError":
-    return BackendError(status, code, message, param=param, retry_after=retry_after)
-
-
-class BackendError(Exception):
-    """A typed failure the server maps straight onto HTTP / SSE / WebSocket.
-
-    ``status`` is the HTTP status (400 bad voice/language, 429 queue full, 503 shutting down or
-    unavailable, 500 internal); ``code`` a short machine string ("invalid_voice",
-    "server_busy"...); ``param`` the request field at fault; ``retry_after`` seconds a client
-    should wait before retrying (sent as the Retry-After header on 429/503).
-    """
-
-    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
-
-    def __reduce__(self):
-        """Picklable with its keyword fields (it crosses process boundaries: stage processes,
-        Ray replicas)."""
-        return (_backend_error, (self.status, self.code, self.message, self.param,
-                                 self.retry_after))
-
-    @classmethod
-    def from_rejected(cls, r: Rejected) -> "BackendError":
-        """What admission's refusal means on the wire: 429 ``server_busy`` (queue full), 503
-        ``queue_timeout`` (deadline), 400 ``request_too_large`` (param max_new_tokens), with the
-        controller's Retry-After. Both backends map it through here."""
-        return cls(r.status, r.code, r.message, retry_after=r.retry_after_s,
-                   param="max_new_tokens" if r.reason == TOO_LARGE else None)
-
-    def __repr__(self) -> str:
-        return f"BackendError({self.status}, {self.code!r}, {self.message!r})"
+# the backends' name for the one error type (``errors.RequestError``): the stages and the
+# orchestrator raise it as BackendError, the server and the rest of the tree as RequestError
+BackendError = RequestError
 
 
 @runtime_checkable

@@ -22,6 +22,7 @@ LAYERS = [
     {"contract", "transport"},
     {"scheduling", "observability"},
     {"config"},
+    {"errors"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

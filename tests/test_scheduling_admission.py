@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from omni_stream.contract import BackendError
-from omni_stream.scheduling.admission import AdmissionController, Rejected
+from omni_stream.errors import RequestError
+from omni_stream.scheduling.admission import AdmissionController
 
 
 class FakeClock:
@@ -38,10 +38,10 @@ def test_admits_only_when_kv_fits_and_a_slot_is_free():
 
 def test_need_above_the_whole_budget_is_refused_at_once():
     a = ctl(budget=100)
-    with pytest.raises(Rejected) as e:
+    with pytest.raises(RequestError) as e:
         a.try_admit("x", 101)
     assert (e.value.status, e.value.reason, e.value.retry_after_s) == (400, "too_large", None)
-    be = BackendError.from_rejected(e.value)
+    be = e.value  # admission's refusal is the error the server sends
     assert (be.status, be.code, be.param) == (400, "request_too_large", "max_new_tokens")
     assert a.snapshot()["rejected_too_large"] == 1
 
@@ -87,12 +87,12 @@ def test_queue_full_is_429_with_retry_after_from_position_and_mean_duration():
     assert a.try_admit("c", 10)
     a.enqueue("q1", 10, deadline=clock.t + 5)
     a.enqueue("q2", 10, deadline=clock.t + 5)
-    with pytest.raises(Rejected) as e:
+    with pytest.raises(RequestError) as e:
         a.enqueue("q3", 10, deadline=clock.t + 5)
     r = e.value
     assert (r.status, r.reason, r.code) == (429, "queue_full", "server_busy")
     assert r.retry_after_s == pytest.approx((2 + 1) * 6.0 / 2)  # position 2, 2 streams running
-    assert BackendError.from_rejected(r).retry_after == r.retry_after_s
+    assert r.retry_after == r.retry_after_s
     snap = a.snapshot()
     assert snap["rejected_queue_full"] == 1 and snap["queued"] == 2
     assert a.retry_after_s(1000) == a.max_retry_s and a.retry_after_s(0) >= a.min_retry_s
@@ -103,7 +103,7 @@ def test_no_queue_means_immediate_429():
     assert a.try_admit("a", 1)
 
     async def main():
-        with pytest.raises(Rejected) as e:
+        with pytest.raises(RequestError) as e:
             await a.acquire("b", 1, timeout=1.0)
         assert e.value.status == 429
 
@@ -143,7 +143,7 @@ def test_acquire_deadline_raises_503_and_leaves_the_queue():
     async def main():
         a = ctl(budget=100, streams=1, queue=4)
         await a.acquire("a", 10, timeout=1.0)
-        with pytest.raises(Rejected) as e:
+        with pytest.raises(RequestError) as e:
             await a.acquire("b", 10, timeout=0.05)
         assert e.value.status == 503 and e.value.reason == "deadline"
         assert e.value.retry_after_s is not None
@@ -182,7 +182,7 @@ def test_withdrawing_a_queued_request():
         w = asyncio.create_task(a.acquire("b", 10, timeout=5.0))
         await asyncio.sleep(0.01)
         assert a.release("b")
-        with pytest.raises(Rejected) as e:
+        with pytest.raises(RequestError) as e:
             await w
         assert e.value.reason == "cancelled"
         assert not a.release("b") and a.snapshot()["cancelled_queued"] == 1
@@ -197,7 +197,7 @@ def test_never_preempts():
     for k, n in running.items():
         assert a.try_admit(k, n)
     tickets = [a.enqueue(f"q{i}", 10 + i, deadline=clock.t + 1) for i in range(10)]
-    with pytest.raises(Rejected):
+    with pytest.raises(RequestError):
         a.enqueue("overflow", 1, deadline=clock.t + 1)
     clock.t += 5
     a.expire()

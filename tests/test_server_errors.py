@@ -11,7 +11,7 @@ from multidict import CIMultiDict
 import pytest
 
 from omni_stream.server.audio import to_s16le
-from omni_stream.contract import BackendError
+from omni_stream.errors import RequestError
 from omni_stream.server.fake_backend import FakeBackend, expected_frames, fake_audio
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import post_speech as post
@@ -327,7 +327,7 @@ def test_queued_request_is_admitted_when_the_slot_frees_in_time():
 
 def test_backend_unavailable_gives_503_with_retry_after():
     async def main():
-        backend = FakeBackend(reject=BackendError(503, "overloaded", "KV budget exhausted",
+        backend = FakeBackend(reject=RequestError(503, "overloaded", "KV budget exhausted",
                                                   retry_after=0.2))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             return await post(s, url, {"input": "hi"})

@@ -17,7 +17,8 @@ from aiohttp import web
 from omni_stream.server.testing import serving_in_thread
 from omni_stream.voices import audio as audio_mod
 from omni_stream.voices import store as store_mod
-from omni_stream.voices.audio import (MAX_SECONDS, MAX_UPLOAD_BYTES, VoiceError, decode_audio,
+from omni_stream.errors import RequestError
+from omni_stream.voices.audio import (MAX_SECONDS, MAX_UPLOAD_BYTES, decode_audio,
                                       decode_ref_audio_field)
 from omni_stream.models.voice_clone import VoiceClone
 from omni_stream.voices.store import VoiceStore, default_voice_dir, validate_name
@@ -39,8 +40,8 @@ def encode(x: np.ndarray, sr: int, fmt: str = "WAV", subtype: str | None = None)
     return b.getvalue()
 
 
-def refused(fn, *args, **kw) -> VoiceError:
-    with pytest.raises(VoiceError) as ei:
+def refused(fn, *args, **kw) -> RequestError:
+    with pytest.raises(RequestError) as ei:
         fn(*args, **kw)
     return ei.value
 
@@ -102,11 +103,11 @@ def test_decode_refusals(data, status, code):
 
 
 def test_voice_error_converts_to_api_error():
-    from omni_stream.server.errors import ApiError
+    from omni_stream.server.errors import error_body
 
     e = refused(decode_audio, b"")
-    api = ApiError(e.status, e.message, code=e.code, param=e.param)
-    assert api.status == 400 and api.body() == {"error": {
+    api = e  # the voice refusal is the error the server sends
+    assert api.status == 400 and error_body(api) == {"error": {
         "message": e.message, "type": "invalid_request_error", "param": "audio",
         "code": "audio_empty"}}
 
@@ -405,12 +406,12 @@ def test_store_full(tmp_path, monkeypatch):
 
 def test_concurrent_adds(tmp_path):
     s = VoiceStore(tmp_path)
-    errors: list[VoiceError] = []
+    errors: list[RequestError] = []
 
     def worker(i):
         try:
             s.add(f"v{i % 10}", clone(i), 2.0, 24000)  # each name raced by 3 threads
-        except VoiceError as e:
+        except RequestError as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(30)]
@@ -465,7 +466,7 @@ def _contract_app(store: VoiceStore):
                            ref_text=ref_text)
             request.app[UPLOADS].append((f.filename, form.get("name")))
             rec = store.add(form.get("name", ""), c, len(wav) / sr, sr)
-        except VoiceError as e:
+        except RequestError as e:
             return error(e.status, e.message, e.code, e.param)
         return web.json_response(rec.as_json(), status=201)
 

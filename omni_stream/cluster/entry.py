@@ -29,6 +29,9 @@ import logging
 import math
 from typing import Any
 
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import error_body, retry_headers
+
 log = logging.getLogger(__name__)
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -52,15 +55,13 @@ _PROXY_ERRORS = {
 
 def error_response(status: int, code: str, message: str,
                    retry_after: float | None) -> tuple[dict[str, Any], bytes]:
-    """The single server's error (``server.errors.ApiError``'s shape) as ASGI start + body."""
-    kind = "rate_limit_error" if status == 429 else (
-        "invalid_request_error" if status < 500 else "server_error")
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
+    """The entry's own refusal as the single server answers one (``server.errors``): ASGI start
+    + body."""
+    err = RequestError(status, code, message, retry_after=retry_after)
+    body = json.dumps(error_body(err)).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode()), ENTRY_HEADER]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+    headers += [(k.lower().encode(), v.encode()) for k, v in retry_headers(err).items()]
     return {"type": "http.response.start", "status": status, "headers": headers}, body
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from omni_stream.voices.audio import VoiceError
+from omni_stream.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Registry:
         try:
             return ("ok", self.store.add(name, clone, duration_s=duration_s,
                                          sample_rate=sample_rate))
-        except VoiceError as e:
+        except RequestError as e:
             return ("error", e.status, e.message, e.code, e.param)
 
     def voice_get(self, name):
@@ -190,20 +190,18 @@ class RemoteVoiceStore:
         self.root = "registry"
 
     def _call(self, method: str, *args):
-        from omni_stream.server.errors import ApiError
-
         try:
             return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            raise ApiError(503, f"the cluster's voice store is unavailable ({type(e).__name__}): "
-                           "retry shortly", code="voice_store_unavailable",
-                           retry_after=2) from None
+            raise RequestError(503, "voice_store_unavailable",
+                               f"the cluster's voice store is unavailable ({type(e).__name__}): "
+                               "retry shortly", retry_after=2) from None
 
     def add(self, name: str, clone, duration_s: float, sample_rate: int):
         got = self._call("voice_add", name, clone, duration_s, sample_rate)
         if got[0] == "error":
             _, status, message, code, param = got
-            raise VoiceError(status, message, code=code, param=param)
+            raise RequestError(status, code, message, param=param)
         return got[1]
 
     def get(self, name: str):

@@ -39,7 +39,7 @@ from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
 from omni_stream.orchestrator.pipeline import Supervisor
 from omni_stream.orchestrator.settings import PipelineSettings
-from omni_stream.scheduling import AdmissionController, Rejected, kv_budget_for, kv_bytes_per_token
+from omni_stream.scheduling import AdmissionController, kv_budget_for, kv_bytes_per_token
 from omni_stream.scheduling.attribution import PartCounters, parts_per_step
 from omni_stream.scheduling.capacity import (DEFAULT_MARGIN, MachineCosts, advice, chunk_policy,
                                              format_costs, holdback_s)
@@ -452,12 +452,9 @@ class PipelineBackend:
                                param="max_new_tokens")
         sid = next(self._probe_ids if is_probe else self._ids)
         t_wait = time.perf_counter()
-        try:  # the start-up cost probes run before any client: no admission for them
-            if not is_probe:
-                await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
-                                       self.s.queue_timeout_s)
-        except Rejected as r:
-            raise BackendError.from_rejected(r) from None
+        if not is_probe:  # the start-up cost probes run before any client: no admission
+            await self.adm.acquire(sid, self.kv.need_bytes(prompt_len, max_frames),
+                                   self.s.queue_timeout_s)  # raises admission's RequestError
         stepstats.record("server.admission_wait", time.perf_counter() - t_wait)
         hold = 0.0 if is_probe else self.holdback_for(
             self.expected_frames(job, text_tokens, max_frames), self.adm.admitted_count)

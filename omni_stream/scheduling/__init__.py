@@ -5,7 +5,7 @@ No torch, no I/O at import time; the orchestrator and the talker stage call thes
 functions and small classes (see shared/design/architecture.md, "Scheduling policies").
 """
 
-from omni_stream.scheduling.admission import AdmissionController, Rejected, Ticket
+from omni_stream.scheduling.admission import AdmissionController, Ticket
 from omni_stream.scheduling.capacity import Capacity, CostCache, MachineCosts
 from omni_stream.scheduling.chunking import (ChunkCostFit, ChunkPolicy, calibrate, calibrate_fit,
                                              fit_chunk_costs)
@@ -21,7 +21,7 @@ __all__ = [
     "Action", "AdmissionController", "Capacity", "CapacityTracker", "ChunkCostFit", "ChunkPolicy",
     "CostCache", "MachineCosts", "calibrate_fit",
     "Decision", "KVBudget", "KVCost", "KVGeometry", "PendingPrefill", "PrefillCostModel",
-    "Rejected", "RunningStream", "StreamPace", "Ticket", "calibrate",
+    "RunningStream", "StreamPace", "Ticket", "calibrate",
     "code_predictor_scratch_bytes", "decide_prefill", "fingerprint_info", "fit_chunk_costs",
     "hardware_fingerprint", "kv_budget_for", "kv_bytes_per_token", "kv_geometry", "plan_slots",
     "slack_s",

@@ -7,12 +7,13 @@ so a running stream can never be stalled or evicted by newcomers.
 
 Everything else waits in a bounded FIFO queue with a deadline:
 
-- queue full -> ``Rejected(429, "queue_full")`` at once;
-- deadline passed while queued -> ``Rejected(503, "deadline")``;
-- a need larger than the whole budget -> ``Rejected(400, "too_large")`` at once (waiting cannot
-  help; the client must ask for fewer frames).
+- queue full -> 429 ``server_busy`` (reason queue_full) at once;
+- deadline passed while queued -> 503 ``queue_timeout`` (reason deadline);
+- a need larger than the whole budget -> 400 ``request_too_large`` (reason too_large, param
+  max_new_tokens) at once (waiting cannot help; the client must ask for fewer frames).
 
-Both 429 and 503 carry ``retry_after_s``: (position in the queue + 1) x the observed mean stream
+Each is an ``errors.RequestError`` the server sends as it is. Both 429 and 503 carry a retry
+delay (``retry_after``): (position in the queue + 1) x the observed mean stream
 duration / the streams running, clamped to [min_retry_s, max_retry_s].
 
 Head of line. Strict FIFO lets one large request at the head idle KV that would serve several
@@ -36,6 +37,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from omni_stream.errors import RequestError
+
 log = logging.getLogger(__name__)
 
 QUEUE_FULL = "queue_full"
@@ -43,30 +46,19 @@ DEADLINE = "deadline"
 TOO_LARGE = "too_large"
 CANCELLED = "cancelled"
 
-# reason -> the error code on the wire (``contract.BackendError.from_rejected``)
+# reason -> the error code on the wire
 _CODES = {QUEUE_FULL: "server_busy", DEADLINE: "queue_timeout", TOO_LARGE: "request_too_large",
           CANCELLED: "cancelled"}
 
 
-class Rejected(Exception):
+def rejected(status: int, reason: str, message: str,
+             retry_after_s: float | None = None) -> RequestError:
     """A request admission refused: HTTP ``status`` (429 / 503 / 400), ``reason`` (one of
-    queue_full, deadline, too_large, cancelled) and ``retry_after_s`` (None: retrying will not
-    help)."""
-
-    def __init__(self, status: int, reason: str, message: str,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @property
-    def code(self) -> str:
-        return _CODES.get(self.reason, self.reason)
-
-    def __repr__(self) -> str:
-        return f"Rejected({self.status}, {self.reason!r}, retry_after_s={self.retry_after_s})"
+    queue_full, deadline, too_large, cancelled; its wire code from ``_CODES``) and
+    ``retry_after_s`` (None: retrying will not help). A need past the whole budget names
+    max_new_tokens, the request field that sets it."""
+    return RequestError(status, _CODES[reason], message, retry_after=retry_after_s,
+                        param="max_new_tokens" if reason == TOO_LARGE else None, reason=reason)
 
 
 @dataclass(eq=False)
@@ -81,7 +73,7 @@ class Ticket:
     state: str = "queued"
     overtaken: int = 0
     admitted_at: float | None = None
-    rejection: Rejected | None = None
+    rejection: RequestError | None = None
     _waker: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -174,7 +166,7 @@ class AdmissionController:
             raise ValueError(f"request {req_id!r} is already admitted or queued")
         if need > self.budget:
             self._rejected[TOO_LARGE] += 1
-            raise Rejected(400, TOO_LARGE, f"this request needs {need} bytes of KV cache, more "
+            raise rejected(400, TOO_LARGE, f"this request needs {need} bytes of KV cache, more "
                            f"than the server's whole budget ({self.budget}): lower max_new_tokens "
                            "or shorten the text")
 
@@ -186,7 +178,7 @@ class AdmissionController:
     # ------------------------------------------------------------------ sync API
     def try_admit(self, req_id: Hashable, need: int) -> bool:
         """Admit now if the request fits and may pass whoever is waiting; never queues.
-        Raises ``Rejected(400)`` if ``need`` exceeds the whole budget."""
+        Raises a 400 RequestError if ``need`` exceeds the whole budget."""
         self._check_new(req_id, need)
         if not self._fits(need) or not self._may_pass(len(self._queue)):
             return False
@@ -197,11 +189,11 @@ class AdmissionController:
 
     def enqueue(self, req_id: Hashable, need: int, deadline: float) -> Ticket:
         """Queue a request until ``deadline`` (on ``clock``); it is admitted as soon as it may
-        (possibly right here). Raises ``Rejected(429)`` when the queue is full."""
+        (possibly right here). Raises a 429 RequestError when the queue is full."""
         self._check_new(req_id, need)
         if len(self._queue) >= self.max_queue:
             self._rejected[QUEUE_FULL] += 1
-            raise Rejected(429, QUEUE_FULL, f"all {self.max_streams} streams busy or the KV "
+            raise rejected(429, QUEUE_FULL, f"all {self.max_streams} streams busy or the KV "
                            f"budget is taken, and {len(self._queue)} requests queued: retry later",
                            self.retry_after_s(len(self._queue)))
         t = Ticket(req_id, need, deadline, self._clock())
@@ -222,7 +214,7 @@ class AdmissionController:
             if t.req_id == req_id:
                 self._queue.remove(t)
                 t.state = CANCELLED
-                t.rejection = Rejected(503, CANCELLED, "request withdrawn while queued")
+                t.rejection = rejected(503, CANCELLED, "request withdrawn while queued")
                 self._rejected[CANCELLED] += 1
                 t._wake()
                 self._pump()
@@ -248,7 +240,7 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ asyncio API
     async def acquire(self, req_id: Hashable, need: int, timeout: float) -> Ticket:
-        """Admit now, or wait in the queue up to ``timeout`` seconds. Raises ``Rejected`` (400
+        """Admit now, or wait in the queue up to ``timeout`` seconds. Raises RequestError (400
         too large, 429 queue full, 503 deadline). If the awaiting task is cancelled (client gone)
         the request leaves the queue, or is released if it was admitted meanwhile."""
         now = self._clock()
@@ -298,7 +290,7 @@ class AdmissionController:
         pos = self._queue.index(t)
         self._queue.remove(t)
         t.state = "rejected"
-        t.rejection = Rejected(503, DEADLINE, f"no stream slot / KV budget within the queue "
+        t.rejection = rejected(503, DEADLINE, f"no stream slot / KV budget within the queue "
                                f"deadline ({self._clock() - t.enqueued_at:.1f} s waited): retry later",
                                self.retry_after_s(pos))
         self._rejected[DEADLINE] += 1
@@ -328,5 +320,5 @@ class AdmissionController:
         )
 
 
-__all__ = ["AdmissionController", "Rejected", "Ticket", "QUEUE_FULL", "DEADLINE", "TOO_LARGE",
+__all__ = ["AdmissionController", "Ticket", "rejected", "QUEUE_FULL", "DEADLINE", "TOO_LARGE",
            "CANCELLED"]

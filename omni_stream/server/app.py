@@ -28,7 +28,8 @@ from aiohttp import WSCloseCode, web
 from omni_stream.server import dashboard, ui
 from omni_stream.server.audio import supported_formats
 from omni_stream.contract import Backend
-from omni_stream.server.errors import ApiError, from_http_exception, internal_error
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import from_http_exception, http_response, internal_error
 from omni_stream.server.metrics import CONTENT_TYPE, ServerMetrics
 from omni_stream.server.schema import OPENAI_VOICES, voice_aliases
 from omni_stream.server.settings import ServerSettings
@@ -55,19 +56,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     route = resource.canonical if resource is not None else "unmatched"
     try:
         resp = await handler(request)
-    except ApiError as e:
-        resp = e.response()
+    except RequestError as e:
+        resp = http_response(e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        resp = from_http_exception(e).response()
+        resp = http_response(from_http_exception(e))
     except ConnectionError:
         raise  # the client went away: nothing to answer
     except Exception:
         if request.writer is not None and request.writer.output_size > 0:
             raise  # the response has started: aiohttp drops the connection
         log.exception("unhandled error on %s %s", request.method, request.path)
-        resp = internal_error(f"{request.method} {request.path}").response()
+        resp = http_response(internal_error(f"{request.method} {request.path}"))
     request.app[STATE].metrics.requests.labels(route, str(resp.status)).inc()
     return resp
 
@@ -82,9 +83,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if scheme.lower() != "bearer":  # a browser's WebSocket carries it as a subprotocol
             token = ui.ws_bearer(request.headers.get("Sec-WebSocket-Protocol", "")) or ""
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer "
-                           "<key>' (a browser WebSocket: the subprotocol "
-                           f"'{ui.WS_BEARER_PREFIX}<key>')", code="invalid_api_key")
+            raise RequestError(401, "invalid_api_key",
+                               "missing or incorrect API key: send 'Authorization: Bearer "
+                               "<key>' (a browser WebSocket: the subprotocol "
+                               f"'{ui.WS_BEARER_PREFIX}<key>')")
     return await handler(request)
 
 
@@ -118,8 +120,9 @@ async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     name = request.match_info["model"]
     if name not in (st.backend.model_name, *st.settings.model_aliases):
-        raise ApiError(404, f"model '{name}' not found: this server serves "
-                       f"'{st.backend.model_name}'", code="model_not_found", param="model")
+        raise RequestError(404, "model_not_found",
+                           f"model '{name}' not found: this server serves "
+                           f"'{st.backend.model_name}'", param="model")
     return _json(_model_card(st))
 
 

@@ -1,8 +1,15 @@
-"""Errors as typed values, mapped onto OpenAI's error shape.
+"""The one error type (``errors.RequestError``) mapped onto the wire, once per transport.
 
-Every failure a client can see is an :class:`ApiError`: the HTTP status, and the body
-``{"error": {"message", "type", "param", "code"}}``. The same value becomes an SSE ``error``
-event or a WebSocket ``error`` event when the response has already started.
+- HTTP: :func:`http_response`, OpenAI's shape ``{"error": {"message", "type", "param",
+  "code"}}`` (:func:`error_body`) with the status and, on 429/503, Retry-After;
+- SSE: :func:`sse_error_event`, ``{"type": "error", "error": {...}}``, when a response has
+  already started (the stream then ends);
+- WebSocket: :func:`ws_error_event`, the same event tagged with the utterance's request_id and
+  the client's context_id (the session stays open).
+
+Failures that are not a RequestError yet (msgspec's decode errors, aiohttp's HTTP exceptions, an
+unexpected exception) become one here: :func:`from_validation`, :func:`from_http_exception`,
+:func:`internal_error`.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from omni_stream.contract import BackendError
+from omni_stream.errors import RequestError
 
 # status -> OpenAI "type" (OpenAI uses invalid_request_error for every 4xx but 429)
 _TYPES = {429: "rate_limit_error"}
@@ -26,56 +33,61 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-class ApiError(Exception):
-    """A client-visible failure: status, OpenAI error fields, optional Retry-After seconds."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after = retry_after
-
-    @classmethod
-    def from_backend(cls, e: BackendError) -> "ApiError":
-        return cls(e.status, e.message, code=e.code, param=e.param, retry_after=e.retry_after)
-
-    @classmethod
-    def from_validation(cls, e: msgspec.ValidationError | msgspec.DecodeError) -> "ApiError":
-        """msgspec's message already names the field ("... - at `$.speed`"); lift it to param."""
-        msg = str(e)
-        m = re.search(r"at `\$\.([A-Za-z_][\w]*)", msg) or re.search(r"field `(\w+)`", msg)
-        if isinstance(e, msgspec.ValidationError):
-            return cls(400, msg, code="invalid_type", param=m.group(1) if m else None)
-        return cls(400, f"could not parse the JSON body: {msg}", code="invalid_json")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": error_type(self.status),
-                          "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
-
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
-                            content_type="application/json", headers=self.headers())
+def error_body(err: RequestError) -> dict[str, Any]:
+    """OpenAI's error JSON."""
+    return {"error": {"message": err.message, "type": error_type(err.status),
+                      "param": err.param, "code": err.code}}
 
 
-def internal_error(ref: str) -> ApiError:
+def retry_headers(err: RequestError) -> dict[str, str]:
+    """Retry-After in whole seconds (at least 1) where the error carries a retry delay."""
+    if err.retry_after is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(err.retry_after)))}
+
+
+def http_response(err: RequestError) -> web.Response:
+    """The HTTP answer: the status, OpenAI's error JSON, Retry-After."""
+    return web.Response(status=err.status, body=msgspec.json.encode(error_body(err)),
+                        content_type="application/json", headers=retry_headers(err))
+
+
+def sse_error_event(err: RequestError) -> dict[str, Any]:
+    """The SSE ``error`` event that ends a stream whose response has started."""
+    return {"type": "error", **error_body(err)}
+
+
+def ws_error_event(err: RequestError, request_id: str | None = None,
+                   context_id: str | None = None) -> dict[str, Any]:
+    """The WebSocket ``error`` message: the SSE event, tagged with the utterance it belongs to
+    (``request_id``) and the client's label (``context_id``) where there is one."""
+    event = sse_error_event(err)
+    if request_id is not None:
+        event["request_id"] = request_id
+    if context_id is not None:
+        event["context_id"] = context_id
+    return event
+
+
+def from_validation(e: msgspec.ValidationError | msgspec.DecodeError) -> RequestError:
+    """msgspec's message already names the field ("... - at `$.speed`"); lift it to param."""
+    msg = str(e)
+    m = re.search(r"at `\$\.([A-Za-z_][\w]*)", msg) or re.search(r"field `(\w+)`", msg)
+    if isinstance(e, msgspec.ValidationError):
+        return RequestError(400, "invalid_type", msg, param=m.group(1) if m else None)
+    return RequestError(400, "invalid_json", f"could not parse the JSON body: {msg}")
+
+
+def internal_error(ref: str) -> RequestError:
     """A 500 that names what failed (request id or route) so the log line can be found."""
-    return ApiError(500, f"internal error ({ref}); see the server log",
-                    code="internal_error")
+    return RequestError(500, "internal_error", f"internal error ({ref}); see the server log")
 
 
 # aiohttp's own HTTP exceptions (routing, body size) -> our codes
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def from_http_exception(e: web.HTTPException) -> ApiError:
+def from_http_exception(e: web.HTTPException) -> RequestError:
     """aiohttp's routing / protocol errors (404, 405, 413, a GET without WebSocket upgrade...)
     in OpenAI's shape, keeping aiohttp's explanation where it gave one."""
     status, text = e.status, (e.text or "").strip()
@@ -87,4 +99,4 @@ def from_http_exception(e: web.HTTPException) -> ApiError:
         msg = text
     else:
         msg = e.reason
-    return ApiError(status, msg, code=_HTTP_CODES.get(status, e.reason.lower().replace(" ", "_")))
+    return RequestError(status, _HTTP_CODES.get(status, e.reason.lower().replace(" ", "_")), msg)

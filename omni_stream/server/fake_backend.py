@@ -2,8 +2,8 @@
 
 Audio is a seeded linear chirp computed from the absolute sample index, so any chunking of a
 stream concatenates to exactly the one-pass waveform. It honours the same contract as the real
-backend, and admits streams with the real backend's own :class:`AdmissionController` (mapped
-onto BackendError exactly as ``PipelineBackend.stream`` does) so that server tests see the
+backend, and admits streams with the real backend's own :class:`AdmissionController` (whose
+refusals are the RequestErrors ``PipelineBackend.stream`` raises) so that server tests see the
 statuses production sends: queue full -> 429 ``server_busy`` at once, queued past the deadline
 -> 503 ``queue_timeout``, both with the controller's Retry-After. Only the KV budget is left out
 (effectively unlimited, one byte per stream): there is no model whose cache could run out.
@@ -25,8 +25,9 @@ from typing import Any, AsyncGenerator
 import numpy as np
 
 from omni_stream.config import FRAME_S
-from omni_stream.scheduling import AdmissionController, ChunkPolicy, Rejected
-from omni_stream.contract import NUM_CODE_GROUPS, AudioChunk, BackendError, SpeechJob
+from omni_stream.scheduling import AdmissionController, ChunkPolicy
+from omni_stream.contract import NUM_CODE_GROUPS, AudioChunk, SpeechJob
+from omni_stream.errors import RequestError
 
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
 CHARS_PER_FRAME = 4  # fake "speaking rate": one 80 ms frame per 4 characters of text
@@ -74,7 +75,7 @@ class FakeBackend:
     """Deterministic Backend. ``max_streams`` slots (None: unlimited); a stream that finds them
     full waits in a queue of ``max_queue`` for up to ``queue_timeout`` seconds (defaults as
     ``PipelineSettings``). ``frame_delay`` seconds are slept per frame; ``fail_after_frames``
-    raises a 500 mid-stream; ``reject`` (a BackendError) refuses every stream at admission."""
+    raises a 500 mid-stream; ``reject`` (a RequestError) refuses every stream at admission."""
 
     def __init__(self, *, model_name: str = "omni-stream-fake", sample_rate: int = 24000,
                  voices: tuple[str, ...] = DEFAULT_VOICES,
@@ -82,7 +83,7 @@ class FakeBackend:
                  supports_instructions: bool = True, supports_codec_frames: bool = True,
                  frame_delay: float = 0.0, max_streams: int | None = None, max_queue: int = 16,
                  queue_timeout: float = 10.0, steady_chunk_frames: int = 8,
-                 fail_after_frames: int | None = None, reject: BackendError | None = None,
+                 fail_after_frames: int | None = None, reject: RequestError | None = None,
                  max_frames_cap: int = 4096) -> None:
         if max_streams is not None and max_streams < 1:
             raise ValueError(f"max_streams must be >= 1 or None (unlimited), got {max_streams}")
@@ -130,25 +131,25 @@ class FakeBackend:
 
     def validate(self, job: SpeechJob) -> None:
         if job.clone is not None:
-            raise BackendError(400, "voice_clone_unsupported",
+            raise RequestError(400, "voice_clone_unsupported",
                                f"model '{self.model_name}' cannot clone voices: serve a Base "
                                "checkpoint", param="voice")
         if job.voice is not None and job.voice not in self._voices:
-            raise BackendError(400, "invalid_voice", f"unknown voice '{job.voice}'", param="voice")
+            raise RequestError(400, "invalid_voice", f"unknown voice '{job.voice}'", param="voice")
         if job.language != "auto" and job.language.lower() not in self._languages:
-            raise BackendError(400, "invalid_language",
+            raise RequestError(400, "invalid_language",
                                f"unknown language '{job.language}': use 'auto' or one of "
                                f"{', '.join(self._languages)}", param="language")
         if job.instructions and not self.supports_instructions:
-            raise BackendError(400, "instructions_unsupported",
+            raise RequestError(400, "instructions_unsupported",
                                f"model '{self.model_name}' does not take instructions",
                                param="instructions")
         if job.stream_codes and not self.supports_codec_frames:
-            raise BackendError(400, "codec_frames_unsupported",
+            raise RequestError(400, "codec_frames_unsupported",
                                f"model '{self.model_name}' cannot stream codec frames",
                                param="codec_frames")
         if job.max_frames is not None and not 1 <= job.max_frames <= self.max_frames_cap:
-            raise BackendError(400, "invalid_max_new_tokens",
+            raise RequestError(400, "invalid_max_new_tokens",
                                f"max_new_tokens must be in [1, {self.max_frames_cap}]",
                                param="max_new_tokens")
 
@@ -186,7 +187,7 @@ class FakeBackend:
             parts.append(piece)
         text = "".join(parts)
         if not text.strip():
-            raise BackendError(400, "empty_input", "the utterance closed without text: send "
+            raise RequestError(400, "empty_input", "the utterance closed without text: send "
                                "input.text before input.done", param="text")
         return replace(job, text=text, text_feed=None)
 
@@ -195,17 +196,15 @@ class FakeBackend:
         if self.reject is not None:
             raise self.reject
         if not self.running or self.adm is None:
-            raise BackendError(503, "unavailable", "backend is not running", retry_after=1.0)
+            raise RequestError(503, "unavailable", "backend is not running", retry_after=1.0)
         if job.text_feed is not None:  # continuous text: the fake speaks it once it is closed
             job = await self._read_feed(job)
             if job is None:
-                raise BackendError(408, "text_timeout", f"no text for {self.text_idle_timeout_s:g}"
+                raise RequestError(408, "text_timeout", f"no text for {self.text_idle_timeout_s:g}"
                                    " s: send input.done to close the utterance")
         sid = next(self._ids)
-        try:  # as PipelineBackend.stream: 429 queue full, 503 deadline, Retry-After from adm
-            await self.adm.acquire(sid, 1, self.queue_timeout)
-        except Rejected as r:
-            raise BackendError.from_rejected(r) from None
+        # as PipelineBackend.stream: 429 queue full, 503 deadline, Retry-After from adm
+        await self.adm.acquire(sid, 1, self.queue_timeout)
         self.active += 1
         self.jobs.append(job)
         self.started_total += 1
@@ -221,7 +220,7 @@ class FakeBackend:
                 for _ in range(size):  # one "decode step" per frame
                     await asyncio.sleep(self.frame_delay)
                     if self.fail_after_frames is not None and done >= self.fail_after_frames:
-                        raise BackendError(500, "internal_error", "fake backend failure")
+                        raise RequestError(500, "internal_error", "fake backend failure")
                 if job.stream_codes:
                     yield AudioChunk(codes=fake_codes(seed, done, size), frames=size)
                 else:

@@ -24,8 +24,9 @@ from typing import Any, Callable, Union
 import msgspec
 
 from omni_stream.server.audio import AudioFormat, default_format, supported_formats
-from omni_stream.contract import Backend, BackendError, SpeechJob
-from omni_stream.server.errors import ApiError
+from omni_stream.contract import Backend, SpeechJob
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import from_validation
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.speed import check_speed, require_speed
 
@@ -129,8 +130,9 @@ def resolve_voice(voice: Union[str, VoiceRef, None], backend_voices: list[str],
     if key in OPENAI_VOICES:
         return voice_aliases(backend_voices)[key]
     own = ", ".join([*backend_voices, *uploaded()]) or "(none: the model has no preset speakers)"
-    raise ApiError(400, f"unknown voice '{name}': use one of {own}, or an OpenAI voice name "
-                   f"({', '.join(OPENAI_VOICES)})", code="invalid_voice", param="voice")
+    raise RequestError(400, "invalid_voice",
+                       f"unknown voice '{name}': use one of {own}, or an OpenAI voice name "
+                       f"({', '.join(OPENAI_VOICES)})", param="voice")
 
 
 TASK_TYPES = {"customvoice": "custom_voice", "voicedesign": "voice_design", "base": "base"}
@@ -142,12 +144,14 @@ def check_task_type(task_type: str | None, variant: str | None) -> None:
         return
     want = TASK_TYPES.get(task_type.replace("_", "").replace("-", "").strip().lower())
     if want is None:
-        raise ApiError(400, f"unknown task_type '{task_type}': use CustomVoice, VoiceDesign or "
-                       "Base", code="invalid_value", param="task_type")
+        raise RequestError(400, "invalid_value",
+                           f"unknown task_type '{task_type}': use CustomVoice, VoiceDesign or "
+                           "Base", param="task_type")
     if variant is not None and want != variant:
-        raise ApiError(400, f"task_type '{task_type}' needs a {want} checkpoint; this server "
-                       f"serves a {variant} model: drop task_type or serve that variant",
-                       code="task_type_mismatch", param="task_type")
+        raise RequestError(400, "task_type_mismatch",
+                           f"task_type '{task_type}' needs a {want} checkpoint; this server "
+                           f"serves a {variant} model: drop task_type or serve that variant",
+                           param="task_type")
 
 
 # C0 controls except tab, newline and carriage return; DEL; C1 controls; lone surrogates
@@ -169,19 +173,21 @@ def check_characters(text: str, param: str | None) -> None:
     else:
         what, fix = "the control character", ("remove it; tab, newline and carriage return "
                                               "are the only control characters allowed")
-    raise ApiError(400, f"{where} contains {what} U+{cp:04X} at position {m.start()}: {fix}",
-                   code="invalid_characters", param=param)
+    raise RequestError(400, "invalid_characters",
+                       f"{where} contains {what} U+{cp:04X} at position {m.start()}: {fix}",
+                       param=param)
 
 
 def check_text(text: str, settings: ServerSettings, param: str = "input") -> str:
     if len(text) > settings.max_input_chars:
-        raise ApiError(400, f"'{param}' has {len(text)} characters; the maximum is "
-                       f"{settings.max_input_chars}: split the text into several requests",
-                       code="input_too_long", param=param)
+        raise RequestError(400, "input_too_long",
+                           f"'{param}' has {len(text)} characters; the maximum is "
+                           f"{settings.max_input_chars}: split the text into several requests",
+                           param=param)
     check_characters(text, param)  # before the blank check: "\x1c".."\x1f" count as blank
     if not text.strip():
-        raise ApiError(400, f"'{param}' is empty: send the text to speak", code="empty_input",
-                       param=param)
+        raise RequestError(400, "empty_input", f"'{param}' is empty: send the text to speak",
+                           param=param)
     return text
 
 
@@ -194,26 +200,26 @@ def check_content_type(header: str | None) -> None:
     sends without ``-H``) would otherwise surface as a confusing "invalid JSON"."""
     fix = "send Content-Type: application/json with a JSON body"
     if not header or not header.strip():
-        raise ApiError(415, f"no Content-Type header: {fix} (curl -d sends form encoding "
-                       "unless given -H 'Content-Type: application/json')",
-                       code="unsupported_media_type")
+        raise RequestError(415, "unsupported_media_type",
+                           f"no Content-Type header: {fix} (curl -d sends form encoding "
+                           "unless given -H 'Content-Type: application/json')")
     mime, _, params = header.partition(";")
     mime = mime.strip().lower()
     kind, _, sub = mime.partition("/")
     if kind != "application" or not (sub == "json" or sub.endswith("+json")):
-        raise ApiError(415, f"Content-Type '{mime}' is not JSON: {fix}",
-                       code="unsupported_media_type")
+        raise RequestError(415, "unsupported_media_type",
+                           f"Content-Type '{mime}' is not JSON: {fix}")
     for p in params.split(";"):
         key, _, value = p.partition("=")
         charset = value.strip().strip('"').lower()
         if key.strip().lower() == "charset" and charset not in _JSON_CHARSETS:
-            raise ApiError(415, f"charset '{charset}' is not UTF-8, and JSON bodies are: "
-                           "send Content-Type: application/json (or charset=utf-8)",
-                           code="unsupported_media_type")
+            raise RequestError(415, "unsupported_media_type",
+                               f"charset '{charset}' is not UTF-8, and JSON bodies are: "
+                               "send Content-Type: application/json (or charset=utf-8)")
 
 
 def decode_json(data: bytes | str, schema: Any) -> Any:
-    """``msgspec.json.decode`` with failures as ApiError naming the field. msgspec refuses a lone
+    """``msgspec.json.decode`` with failures as RequestError naming the field. msgspec refuses a lone
     surrogate escape ("\\ud800") as "Input data was truncated"; such a body is valid JSON to the
     stdlib parser, so on a decode error it is re-read with that to name the character and the
     field as :func:`check_characters` does for any other control character. The same re-read
@@ -222,7 +228,7 @@ def decode_json(data: bytes | str, schema: Any) -> Any:
     try:
         return msgspec.json.decode(data, type=schema)
     except msgspec.ValidationError as e:
-        err = ApiError.from_validation(e)
+        err = from_validation(e)
         if str(e).startswith("Number out of range"):
             err.code = "invalid_value"
             if err.param == "speed":
@@ -230,7 +236,7 @@ def decode_json(data: bytes | str, schema: Any) -> Any:
         raise err from None
     except msgspec.DecodeError as e:
         _check_json_strings(data)
-        raise ApiError.from_validation(e) from None
+        raise from_validation(e) from None
 
 
 def _check_json_strings(data: bytes | str) -> None:
@@ -247,8 +253,9 @@ def _check_json_strings(data: bytes | str) -> None:
         elif isinstance(value, float) and not math.isfinite(value):
             if param == "speed":
                 check_speed(value)  # raises, naming the range
-            raise ApiError(400, f"'{param}' is {value}: JSON has no NaN or Infinity, send a "
-                           "finite number", code="invalid_value", param=param)
+            raise RequestError(400, "invalid_value",
+                               f"'{param}' is {value}: JSON has no NaN or Infinity, send a "
+                               "finite number", param=param)
         elif isinstance(value, dict):
             for v in value.values():
                 walk(v, param)
@@ -268,40 +275,42 @@ def check_stream_speed(speed: float, stream_codes: bool, param: str = "speed") -
     frames are decoded by the client, after the server: the server has no audio to stretch, so
     speed != 1.0 with codec_frames is refused by name (a client stretches what it decodes)."""
     if speed != 1.0 and stream_codes:
-        raise ApiError(400, f"'{param}' {speed} applies to the PCM this server decodes; with "
-                       "codec_frames the client decodes, so time-stretch there (or ask for pcm)",
-                       code="speed_with_codec_frames", param=param)
+        raise RequestError(400, "speed_with_codec_frames",
+                           f"'{param}' {speed} applies to the PCM this server decodes; with "
+                           "codec_frames the client decodes, so time-stretch there (or ask for pcm)",
+                           param=param)
     require_speed(speed, param)
 
 
 def _positive(value: int | None, name: str, upper: int | None = None) -> None:
     if value is not None and (value < 1 or (upper is not None and value > upper)):
         rng = f"[1, {upper}]" if upper else ">= 1"
-        raise ApiError(400, f"'{name}' must be {rng}, got {value}", code="invalid_value",
-                       param=name)
+        raise RequestError(400, "invalid_value", f"'{name}' must be {rng}, got {value}",
+                           param=name)
 
 
 def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSettings, *,
                     stream_codes: bool = False, voices: Any = None) -> SpeechJob:
     """Check ``opts`` and return a job template (empty text and request id), validated by the
-    backend. Raises ApiError naming the field. ``voices`` (``server.voices.VoiceService``)
+    backend. Raises RequestError naming the field. ``voices`` (``server.voices.VoiceService``)
     resolves uploaded voice names; a ``ref_audio`` is left to ``voices.attach_ref_audio``
     (the job comes back without a clone), which must run before the job is spoken."""
     served = backend.model_name
     if opts.model is not None and opts.model not in (served, *settings.model_aliases):
-        raise ApiError(400, f"unknown model '{opts.model}': this server serves '{served}' "
-                       f"(aliases: {', '.join(settings.model_aliases)})", code="model_not_found",
-                       param="model")
+        raise RequestError(400, "model_not_found",
+                           f"unknown model '{opts.model}': this server serves '{served}' "
+                           f"(aliases: {', '.join(settings.model_aliases)})", param="model")
     check_stream_speed(check_speed(opts.speed), stream_codes)
     if opts.seed is not None and not 0 <= opts.seed <= MAX_SEED:
-        raise ApiError(400, f"'seed' must be in [0, 2**63 - 1], got {opts.seed}",
-                       code="invalid_value", param="seed")
+        raise RequestError(400, "invalid_value",
+                           f"'seed' must be in [0, 2**63 - 1], got {opts.seed}", param="seed")
     _positive(opts.max_new_tokens, "max_new_tokens")
     _positive(opts.initial_codec_chunk_frames, "initial_codec_chunk_frames",
               MAX_INITIAL_CHUNK_FRAMES)
     if opts.greedy is not None and opts.do_sample is not None and opts.greedy == opts.do_sample:
-        raise ApiError(400, "'greedy' and 'do_sample' contradict each other: send one of them",
-                       code="invalid_value", param="do_sample")
+        raise RequestError(400, "invalid_value",
+                           "'greedy' and 'do_sample' contradict each other: send one of them",
+                           param="do_sample")
     greedy = opts.greedy if opts.greedy is not None else opts.do_sample is False
     # characters first, on the text as sent: strip() would drop an edge "\x85" or "\x1f"
     # silently, and positions would not match the client's string
@@ -318,21 +327,20 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
     if opts.ref_audio is None:
         for name, param in (("ref_text", opts.ref_text), ("x_vector_only", opts.x_vector_only)):
             if param is not None:
-                raise ApiError(400, f"'{name}' only applies with 'ref_audio' (a one-off clone); "
-                               "an uploaded voice keeps the transcript it was uploaded with",
-                               code="invalid_value", param=name)
+                raise RequestError(400, "invalid_value",
+                                   f"'{name}' only applies with 'ref_audio' (a one-off clone); "
+                                   "an uploaded voice keeps the transcript it was uploaded with",
+                                   param=name)
     elif opts.voice is not None:
-        raise ApiError(400, "send either 'voice' or 'ref_audio', not both: 'ref_audio' clones "
-                       "the voice of the clip it carries", code="invalid_value", param="voice")
+        raise RequestError(400, "invalid_value",
+                           "send either 'voice' or 'ref_audio', not both: 'ref_audio' clones "
+                           "the voice of the clip it carries", param="voice")
     job = SpeechJob(text="", request_id="", voice=voice, clone=clone, voice_label=label,
                     language=(opts.language or "auto").strip().lower() or "auto",
                     instructions=instructions, seed=opts.seed, max_frames=opts.max_new_tokens,
                     greedy=greedy, stream_codes=stream_codes,
                     initial_chunk_frames=opts.initial_codec_chunk_frames)
-    try:
-        backend.validate(job)
-    except BackendError as e:
-        raise ApiError.from_backend(e) from None
+    backend.validate(job)
     return job
 
 
@@ -354,19 +362,20 @@ def plan_speech(req: SpeechRequest, backend: Backend, settings: ServerSettings,
                 voices: Any = None) -> SpeechPlan:
     stream_format = req.stream_format or "audio"
     if stream_format not in ("audio", "sse"):
-        raise ApiError(400, f"unknown stream_format '{stream_format}': use 'audio' or 'sse'",
-                       code="invalid_value", param="stream_format")
+        raise RequestError(400, "invalid_value",
+                           f"unknown stream_format '{stream_format}': use 'audio' or 'sse'",
+                           param="stream_format")
     sse = stream_format == "sse"
     formats = supported_formats()
     name = (req.response_format or "").strip().lower() or (
         "pcm" if sse else settings.default_response_format or default_format())
     if name not in formats:
-        raise ApiError(400, f"unsupported response_format '{name}': use one of "
-                       f"{', '.join(formats)}", code="invalid_response_format",
-                       param="response_format")
+        raise RequestError(400, "invalid_response_format",
+                           f"unsupported response_format '{name}': use one of "
+                           f"{', '.join(formats)}", param="response_format")
     if sse and not req.stream:
-        raise ApiError(400, "stream_format 'sse' needs stream true", code="invalid_value",
-                       param="stream")
+        raise RequestError(400, "invalid_value", "stream_format 'sse' needs stream true",
+                           param="stream")
     fmt = formats[name]
     mode = "sse" if sse else ("audio" if req.stream and fmt.streamable else "file")
     text = check_text(req.input, settings)

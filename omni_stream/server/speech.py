@@ -21,7 +21,7 @@ from aiohttp import web
 
 from omni_stream.server.audio import encode_whole, to_s16le, wav_header
 from omni_stream.contract import AudioChunk
-from omni_stream.server.errors import ApiError
+from omni_stream.errors import RequestError
 from omni_stream.observability import stepstats
 from omni_stream.server.schema import (SpeechPlan, check_content_type, decode_speech_request,
                                        plan_speech)
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 def check_ready(st: ServerState) -> None:
     if not st.ready:
-        raise ApiError(503, "the server is starting or shutting down; retry shortly",
-                       code="unavailable", retry_after=1.0)
+        raise RequestError(503, "unavailable",
+                           "the server is starting or shutting down; retry shortly",
+                           retry_after=1.0)
 
 
 async def speech(request: web.Request) -> web.StreamResponse:
@@ -46,9 +47,9 @@ async def speech(request: web.Request) -> web.StreamResponse:
     body = await request.read()  # raises 413 past client_max_size
     req = decode_speech_request(body)
     if len(body) > st.settings.max_body_bytes and req.ref_audio is None:
-        raise ApiError(413, f"the request body is over {st.settings.max_body_bytes} bytes (only "
-                       "a request carrying ref_audio may be larger): shorten the input",
-                       code="request_too_large")
+        raise RequestError(413, "request_too_large",
+                           f"the request body is over {st.settings.max_body_bytes} bytes (only "
+                           "a request carrying ref_audio may be larger): shorten the input")
     plan = plan_speech(req, st.backend, st.settings, st.voices)
     if req.ref_audio is not None:  # a one-off clone: computed before the stream is admitted
         plan = replace(plan, job=await st.voices.attach_ref_audio(plan.job, req))
@@ -56,7 +57,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     try:
         async with StreamRun(st.backend, plan.job, st.metrics, plan.mode, t0,
                              speed=plan.speed) as run:
-            first = await run.next()  # ApiError here still becomes a JSON error response
+            first = await run.next()  # RequestError here still becomes a JSON error response
             assert first is not None
             if plan.mode == "file":
                 return await whole_file(run, first, plan, st.backend.sample_rate, resp.headers)
@@ -88,7 +89,7 @@ async def write_audio(request: web.Request, resp: web.StreamResponse, run: Strea
             stepstats.record("server.encode_write", time.perf_counter() - t)
             run.sent(chunk)
             chunk = await run.next()
-    except ApiError as e:
+    except RequestError as e:
         log.warning("%s: failed mid-stream, aborting the response: %s", run.job.request_id,
                     e.message)
         if request.transport is not None:

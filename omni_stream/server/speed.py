@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_stream.server.errors import ApiError
+from omni_stream.errors import RequestError
 
 SPEED_MIN, SPEED_MAX = 0.25, 4.0
 _BLOCK = 4096  # samples per process() call: the stretcher's buffers are sized for this once
@@ -39,11 +39,13 @@ def check_speed(value: Any, param: str = "speed") -> float:
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{param}' must be a number between {SPEED_MIN} and {SPEED_MAX}, "
-                       f"got {value!r}", code="invalid_type", param=param)
+        raise RequestError(400, "invalid_type",
+                           f"'{param}' must be a number between {SPEED_MIN} and {SPEED_MAX}, "
+                           f"got {value!r}", param=param)
     if not (math.isfinite(value) and SPEED_MIN <= value <= SPEED_MAX):
-        raise ApiError(400, f"'{param}' must be between {SPEED_MIN} and {SPEED_MAX}, got {value}",
-                       code="invalid_value", param=param)
+        raise RequestError(400, "invalid_value",
+                           f"'{param}' must be between {SPEED_MIN} and {SPEED_MAX}, got {value}",
+                           param=param)
     return float(value)
 
 
@@ -55,9 +57,10 @@ def speed_available() -> bool:
 def require_speed(speed: float, param: str = "speed") -> None:
     """400 ``unsupported_speed`` where ``speed`` != 1.0 and the stretcher is not installed."""
     if speed != 1.0 and not speed_available():
-        raise ApiError(400, f"'{param}' {speed} needs the pylibrb package, which this server "
-                       "lacks: pip install 'omni-stream[speed]' (Linux x86-64; scripts/setup.sh "
-                       "installs it), or omit speed", code="unsupported_speed", param=param)
+        raise RequestError(400, "unsupported_speed",
+                           f"'{param}' {speed} needs the pylibrb package, which this server "
+                           "lacks: pip install 'omni-stream[speed]' (Linux x86-64; scripts/setup.sh "
+                           "installs it), or omit speed", param=param)
 
 
 class StretchError(RuntimeError):

@@ -22,7 +22,8 @@ from aiohttp import web
 
 from omni_stream.server.audio import AudioFormat, StreamEncoder, supported_formats
 from omni_stream.contract import AudioChunk
-from omni_stream.server.errors import ApiError
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import sse_error_event
 from omni_stream.observability import stepstats
 from omni_stream.server.stream import StreamRun
 
@@ -35,10 +36,6 @@ def delta_event(audio: bytes) -> dict[str, Any]:
 
 def done_event(usage: dict[str, int], finish_reason: str | None) -> dict[str, Any]:
     return {"type": "speech.audio.done", "usage": usage, "finish_reason": finish_reason}
-
-
-def error_event(err: ApiError) -> dict[str, Any]:
-    return {"type": "error", **err.body()}
 
 
 def sse_record(event: dict[str, Any]) -> bytes:
@@ -74,7 +71,7 @@ async def write_sse(request: web.Request, resp: web.StreamResponse, run: StreamR
         if tail := await encode(enc.finish):
             await resp.write(sse_record(delta_event(tail)))
         await resp.write(sse_record(done_event(run.usage(), run.finish_reason())))
-    except ApiError as e:
+    except RequestError as e:
         log.warning("%s: failed mid-stream: %s", run.job.request_id, e.message)
-        await resp.write(sse_record(error_event(e)))
+        await resp.write(sse_record(sse_error_event(e)))
     await resp.write_eof()

@@ -1,7 +1,7 @@
 """One backend stream as a handler sees it: typed errors, metrics, and a guaranteed close.
 
 ``async with StreamRun(...) as run`` opens ``backend.stream(job)``; ``await run.next()`` returns
-the next chunk (None after the final one) and turns every backend failure into an ApiError;
+the next chunk (None after the final one) and turns every other backend failure into a 500 RequestError;
 leaving the block closes the generator (``aclose``) whatever happened, which is how a client
 disconnect or handler cancellation reaches the backend and frees its slot.
 
@@ -22,8 +22,9 @@ from typing import AsyncGenerator
 import numpy as np
 
 from omni_stream.config import FRAME_S
-from omni_stream.contract import AudioChunk, Backend, BackendError, SpeechJob
-from omni_stream.server.errors import ApiError, internal_error
+from omni_stream.contract import AudioChunk, Backend, SpeechJob
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import internal_error
 from omni_stream.server.metrics import ServerMetrics
 from omni_stream.server.speed import Stretcher, StretchError
 
@@ -61,7 +62,7 @@ class StreamRun:
                 outcome = "completed" if self.final is not None else "error"
             elif issubclass(exc_type, (asyncio.CancelledError, ConnectionError)):
                 outcome = "cancelled" if self.cancelled else "disconnected"
-            elif (issubclass(exc_type, ApiError) and self.frames_sent == 0
+            elif (issubclass(exc_type, RequestError) and self.frames_sent == 0
                   and (exc.status < 500 or exc.status == 503)):
                 outcome = "rejected"  # refused at admission (queue full, shutting down)
             else:
@@ -81,10 +82,10 @@ class StreamRun:
         except StopAsyncIteration:
             log.error("%s: backend stream ended without a final chunk", self.job.request_id)
             raise internal_error(self.job.request_id) from None
-        except BackendError as e:
+        except RequestError as e:
             if e.status >= 500:
                 log.error("%s: backend failed: %r", self.job.request_id, e)
-            raise ApiError.from_backend(e) from None
+            raise
         except Exception:
             log.exception("%s: backend raised", self.job.request_id)
             raise internal_error(self.job.request_id) from None
@@ -113,9 +114,8 @@ class StreamRun:
                 log.error("%s: %s", self.job.request_id, e)
             else:
                 log.exception("%s: the time-stretch raised", self.job.request_id)
-            raise ApiError(500, f"time-stretch to speed {self.speed} failed "
-                           f"({self.job.request_id}); see the server log",
-                           code="speed_failed", param="speed") from None
+            raise RequestError(500, "speed_failed", f"time-stretch to speed {self.speed} failed "
+                               f"({self.job.request_id}); see the server log", param="speed") from None
         return replace(chunk, pcm=pcm)
 
     def sent(self, chunk: AudioChunk) -> None:

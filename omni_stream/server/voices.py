@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from omni_stream.server.errors import ApiError
+from omni_stream.errors import RequestError
 from omni_stream.models.voice_clone import VoiceClone
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,6 @@ log = logging.getLogger(__name__)
 CLONE_VARIANT = "base"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-
-
-def _api(e: Exception) -> ApiError:
-    """A VoiceError (status, code, param) as the server's ApiError."""
-    return ApiError(e.status, e.message, code=e.code, param=e.param)
 
 
 @dataclass(frozen=True)
@@ -78,10 +73,10 @@ class VoiceService:
 
     def require(self, param: str | None) -> None:
         if not self.supported:
-            raise ApiError(400, f"this server's model is a {self.variant} checkpoint, which cannot "
-                           "clone voices: serve a Base checkpoint (Qwen3-TTS-12Hz-0.6B-Base or "
-                           "-1.7B-Base) to use uploaded voices or ref_audio",
-                           code="voice_clone_unsupported", param=param)
+            raise RequestError(400, "voice_clone_unsupported",
+                               f"this server's model is a {self.variant} checkpoint, which cannot "
+                               "clone voices: serve a Base checkpoint (Qwen3-TTS-12Hz-0.6B-Base or "
+                               "-1.7B-Base) to use uploaded voices or ref_audio", param=param)
 
     def encoder(self):
         with self._lock:
@@ -95,25 +90,22 @@ class VoiceService:
 
     def _clone_sync(self, data: bytes, ref_text: str | None, x_vector_only: bool,
                     param: str) -> ClonedAudio:
-        from omni_stream.voices.audio import VoiceError, decode_audio
+        from omni_stream.voices.audio import decode_audio
 
-        try:
-            wav, sr = decode_audio(data, param=param)
-        except VoiceError as e:
-            raise _api(e) from None
+        wav, sr = decode_audio(data, param=param)
         clone = self.encoder().encode(wav, sr, ref_text=ref_text, x_vector_only=x_vector_only)
         return ClonedAudio(clone, len(wav) / sr, sr)
 
     async def clone(self, data: bytes, ref_text: str | None, x_vector_only: bool,
                     param: str = "audio") -> ClonedAudio:
-        """Reference audio bytes -> a voice, computed in a worker thread. ApiError on bad input."""
+        """Reference audio bytes -> a voice, computed in a worker thread. RequestError on bad input."""
         self.require(param)
         ref_text = (ref_text or "").strip() or None
         if not x_vector_only and ref_text is None:
-            raise ApiError(400, "'ref_text' is required to clone in ICL mode (the default): send "
-                           "the transcript of the reference audio, or set x_vector_only true to "
-                           "clone from the speaker embedding alone", code="missing_ref_text",
-                           param="ref_text")
+            raise RequestError(400, "missing_ref_text",
+                               "'ref_text' is required to clone in ICL mode (the default): send "
+                               "the transcript of the reference audio, or set x_vector_only true to "
+                               "clone from the speaker embedding alone", param="ref_text")
         if x_vector_only:
             ref_text = None
         loop = asyncio.get_running_loop()
@@ -131,18 +123,15 @@ class VoiceService:
 
     async def attach_ref_audio(self, job, opts):
         """``job`` with the voice of ``opts.ref_audio`` (a one-off clone), or ``job`` itself
-        when the request carries none. ApiError on bad input or a model that cannot clone."""
+        when the request carries none. RequestError on bad input or a model that cannot clone."""
         if opts.ref_audio is None:
             return job
         from dataclasses import replace
 
-        from omni_stream.voices.audio import VoiceError, decode_ref_audio_field
+        from omni_stream.voices.audio import decode_ref_audio_field
 
         self.require("ref_audio")
-        try:
-            data = decode_ref_audio_field(opts.ref_audio, param="ref_audio")
-        except VoiceError as e:
-            raise _api(e) from None
+        data = decode_ref_audio_field(opts.ref_audio, param="ref_audio")
         got = await self.clone(data, opts.ref_text, bool(opts.x_vector_only), param="ref_audio")
         return replace(job, clone=got.clone, voice=None, voice_label="ref_audio")
 
@@ -153,8 +142,8 @@ def parse_bool(value: str | None, param: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise ApiError(400, f"'{param}' must be true or false, got '{value}'", code="invalid_value",
-                   param=param)
+    raise RequestError(400, "invalid_value", f"'{param}' must be true or false, got '{value}'",
+                       param=param)
 
 
 # ------------------------------------------------------------------------------- handlers
@@ -163,14 +152,15 @@ async def _read_form(request: web.Request,
     """The multipart fields (text) and the ``audio`` file's bytes (None: no file)."""
     ctype = request.headers.get("Content-Type", "")
     if ctype.lower().startswith("application/x-www-form-urlencoded"):  # a form with no file
-        raise ApiError(400, "no 'audio' file in the form: attach the reference clip as "
-                       "multipart/form-data (curl -F audio=@voice.wav -F name=myvoice)",
-                       code="missing_audio", param="audio")
+        raise RequestError(400, "missing_audio",
+                           "no 'audio' file in the form: attach the reference clip as "
+                           "multipart/form-data (curl -F audio=@voice.wav -F name=myvoice)",
+                           param="audio")
     if not ctype.lower().startswith("multipart/form-data"):
-        raise ApiError(415, "upload a voice as multipart/form-data with fields 'audio' (the "
-                       "file), 'name', and optionally 'ref_text' and 'x_vector_only' (curl -F "
-                       "audio=@voice.wav -F name=myvoice -F ref_text='...')",
-                       code="unsupported_media_type")
+        raise RequestError(415, "unsupported_media_type",
+                           "upload a voice as multipart/form-data with fields 'audio' (the "
+                           "file), 'name', and optionally 'ref_text' and 'x_vector_only' (curl -F "
+                           "audio=@voice.wav -F name=myvoice -F ref_text='...')")
     reader = await request.multipart()
     fields: dict[str, str] = {}
     audio: bytes | None = None
@@ -181,8 +171,9 @@ async def _read_form(request: web.Request,
             break
         name = part.name or ""
         if name not in known:
-            raise ApiError(400, f"unknown form field '{name}': the fields are audio, name, "
-                           "ref_text, x_vector_only", code="unknown_field", param=name)
+            raise RequestError(400, "unknown_field",
+                               f"unknown form field '{name}': the fields are audio, name, "
+                               "ref_text, x_vector_only", param=name)
         if name == "audio":
             buf = bytearray()
             while True:
@@ -191,9 +182,9 @@ async def _read_form(request: web.Request,
                     break
                 buf += chunk
                 if len(buf) > max_bytes:
-                    raise ApiError(413, f"the audio file is over {max_bytes >> 20} MiB: send a "
-                                   "shorter clip (10-20 s of speech is plenty)",
-                                   code="upload_too_large", param="audio")
+                    raise RequestError(413, "upload_too_large",
+                                       f"the audio file is over {max_bytes >> 20} MiB: send a "
+                                       "shorter clip (10-20 s of speech is plenty)", param="audio")
             audio = bytes(buf)
         else:
             fields[name] = (await part.text())
@@ -202,35 +193,31 @@ async def _read_form(request: web.Request,
 
 async def create_voice(request: web.Request) -> web.Response:
     from omni_stream.server.state import STATE
-    from omni_stream.voices.audio import MAX_UPLOAD_BYTES, VoiceError
+    from omni_stream.voices.audio import MAX_UPLOAD_BYTES
     from omni_stream.voices.store import validate_name
 
     st = request.app[STATE]
     svc: VoiceService = st.voices
     svc.require("audio")
     fields, audio = await _read_form(request, MAX_UPLOAD_BYTES)
-    try:
-        name = validate_name(fields.get("name", ""))
-    except VoiceError as e:
-        raise _api(e) from None
+    name = validate_name(fields.get("name", ""))
     if audio is None:
-        raise ApiError(400, "no 'audio' file in the form: attach the reference clip "
-                       "(curl -F audio=@voice.wav)", code="missing_audio", param="audio")
+        raise RequestError(400, "missing_audio",
+                           "no 'audio' file in the form: attach the reference clip "
+                           "(curl -F audio=@voice.wav)", param="audio")
     if name.lower() in {v.lower() for v in svc.builtin}:
-        raise ApiError(409, f"'{name}' is a built-in voice: choose another name",
-                       code="voice_exists", param="name")
+        raise RequestError(409, "voice_exists",
+                           f"'{name}' is a built-in voice: choose another name", param="name")
     if svc.lookup(name) is not None:  # before the encoders run; the store checks again
-        raise ApiError(409, f"a voice named '{name}' exists: delete it first or choose another "
-                       "name", code="voice_exists", param="name")
+        raise RequestError(409, "voice_exists",
+                           f"a voice named '{name}' exists: delete it first or choose another "
+                           "name", param="name")
     x_only = parse_bool(fields.get("x_vector_only"), "x_vector_only")
     t0 = time.perf_counter()
     got = await svc.clone(audio, fields.get("ref_text"), x_only)
-    try:
-        rec = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: svc.store.add(name, got.clone, duration_s=got.duration_s,
-                                        sample_rate=got.sample_rate))
-    except VoiceError as e:
-        raise _api(e) from None
+    rec = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: svc.store.add(name, got.clone, duration_s=got.duration_s,
+                                    sample_rate=got.sample_rate))
     log.info("voice '%s' registered (%s, %.1f s of audio) in %.2f s", name, got.clone.mode,
              got.duration_s, time.perf_counter() - t0)
     return web.json_response(rec.as_json(), status=201)
@@ -242,10 +229,11 @@ async def delete_voice(request: web.Request) -> web.Response:
     svc: VoiceService = request.app[STATE].voices
     name = request.match_info["name"]
     if name.lower() in {v.lower() for v in svc.builtin}:
-        raise ApiError(400, f"'{name}' is a built-in voice and cannot be deleted",
-                       code="builtin_voice", param="name")
+        raise RequestError(400, "builtin_voice",
+                           f"'{name}' is a built-in voice and cannot be deleted", param="name")
     svc.require("name")
     if not await asyncio.get_running_loop().run_in_executor(None, svc.store.delete, name):
-        raise ApiError(404, f"no uploaded voice named '{name}' (GET /v1/audio/voices lists them)",
-                       code="voice_not_found", param="name")
+        raise RequestError(404, "voice_not_found",
+                           f"no uploaded voice named '{name}' (GET /v1/audio/voices lists them)",
+                           param="name")
     return web.json_response({"name": name, "deleted": True, "object": "voice"})

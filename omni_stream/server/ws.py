@@ -91,14 +91,15 @@ from omni_stream.server import ui
 from omni_stream.server.audio import to_s16le
 from omni_stream.config import FRAME_S
 from omni_stream.contract import NUM_CODE_GROUPS, SpeechJob, TextFeed
-from omni_stream.server.errors import ApiError
+from omni_stream.errors import RequestError
+from omni_stream.server.errors import ws_error_event
 from omni_stream.server.schema import (ClientEvent, InputCancel, InputDone, InputText,
                                        SessionClose, SessionConfig, check_characters,
                                        check_stream_speed, check_text, decode_json,
                                        new_request_id, resolve_options)
 from omni_stream.server.speech import check_ready
 from omni_stream.server.speed import check_speed
-from omni_stream.server.sse import delta_event, error_event
+from omni_stream.server.sse import delta_event
 from omni_stream.server.state import STATE, ServerState
 from omni_stream.server.stream import StreamRun
 
@@ -157,8 +158,9 @@ def check_context_id(context_id: str | None) -> None:
         return
     check_characters(context_id, "context_id")
     if not context_id or len(context_id) > MAX_CONTEXT_ID_CHARS:
-        raise ApiError(400, f"context_id must be 1 to {MAX_CONTEXT_ID_CHARS} characters",
-                       code="invalid_value", param="context_id")
+        raise RequestError(400, "invalid_value",
+                           f"context_id must be 1 to {MAX_CONTEXT_ID_CHARS} characters",
+                           param="context_id")
 
 
 class WsSession:
@@ -191,13 +193,12 @@ class WsSession:
         async with self.send_lock:
             await self.ws.send_str(msgspec.json.encode(event).decode())
 
-    async def send_error(self, err: ApiError, utt: Utterance | None = None,
+    async def send_error(self, err: RequestError, utt: Utterance | None = None,
                          context_id: str | None = None) -> None:
-        event = error_event(err)
         if utt is not None:
-            utt.tag(event)
-        elif context_id is not None:
-            event["context_id"] = context_id
+            event = ws_error_event(err, utt.job.request_id, utt.context_id)
+        else:
+            event = ws_error_event(err, context_id=context_id)
         await self.send_json(event)
 
     def describe(self) -> dict[str, Any]:
@@ -228,8 +229,9 @@ class WsSession:
                 if msg.type == WSMsgType.TEXT:
                     await self.on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
-                    await self.send_error(ApiError(400, "binary messages are not accepted: send "
-                                                   "JSON text events", code="invalid_event"))
+                    await self.send_error(RequestError(400, "invalid_event",
+                                                       "binary messages are not accepted: send "
+                                                       "JSON text events"))
         except ConnectionError:
             log.info("websocket client went away")
         finally:
@@ -241,7 +243,7 @@ class WsSession:
     async def on_text(self, data: str) -> None:
         try:
             event = decode_json(data, ClientEvent)
-        except ApiError as err:
+        except RequestError as err:
             if err.param == "type":
                 err.message += (" (use session.config, input.text, input.done, input.cancel, "
                                 "session.close)")
@@ -250,14 +252,15 @@ class WsSession:
         if isinstance(event, InputCancel):
             try:
                 check_context_id(event.context_id)
-            except ApiError as e:
+            except RequestError as e:
                 await self.send_error(e)
                 return
             await self.cancel(event.context_id)
             return
         if self.closing:
-            await self.send_error(ApiError(400, "session.close was received; open a new "
-                                           "session", code="session_closing"))
+            await self.send_error(RequestError(400, "session_closing",
+                                               "session.close was received; open a new "
+                                               "session"))
             return
         try:
             if isinstance(event, SessionConfig):
@@ -295,7 +298,7 @@ class WsSession:
                 self.flush_buffer()
                 self.closing = True
                 self.queue.put_nowait(None)
-        except ApiError as e:
+        except RequestError as e:
             await self.send_error(e, context_id=getattr(event, "context_id", None))
 
     @property
@@ -394,37 +397,42 @@ class WsSession:
                 replace(self.template, text="", request_id=new_request_id("ws"),
                         text_feed=self.feed), context_id, speed))
         if self.feed.chars + len(text) > cap:
-            raise ApiError(400, f"the utterance would pass {cap} characters: this piece was "
-                           "refused; close it with input.done and go on in a new one",
-                           code="input_too_long", param="text")
+            raise RequestError(400, "input_too_long",
+                               f"the utterance would pass {cap} characters: this piece was "
+                               "refused; close it with input.done and go on in a new one",
+                               param="text")
         self.feed.push(text)
 
     async def configure(self, cfg: SessionConfig) -> None:
         backend = self.st.backend
         if (cfg.text_mode or "sentences") not in ("sentences", "continuous"):
-            raise ApiError(400, f"unknown text_mode '{cfg.text_mode}': use 'sentences' (each "
-                           "sentence is its own utterance) or 'continuous' (one utterance fed "
-                           "as it is written, closed by input.done)", code="invalid_value",
-                           param="text_mode")
+            raise RequestError(400, "invalid_value",
+                               f"unknown text_mode '{cfg.text_mode}': use 'sentences' (each "
+                               "sentence is its own utterance) or 'continuous' (one utterance fed "
+                               "as it is written, closed by input.done)", param="text_mode")
         if self.feed is not None:
-            raise ApiError(400, "a continuous utterance is open: close it with input.done "
-                           "before changing the session", code="utterance_open")
+            raise RequestError(400, "utterance_open",
+                               "a continuous utterance is open: close it with input.done "
+                               "before changing the session")
         if (cfg.stream_format or "audio") not in ("audio", "sse"):
-            raise ApiError(400, f"unknown stream_format '{cfg.stream_format}': use 'audio' "
-                           "(binary frames) or 'sse' (JSON delta events)", code="invalid_value",
-                           param="stream_format")
+            raise RequestError(400, "invalid_value",
+                               f"unknown stream_format '{cfg.stream_format}': use 'audio' "
+                               "(binary frames) or 'sse' (JSON delta events)",
+                               param="stream_format")
         if (cfg.response_format or "pcm").lower() != "pcm":
-            raise ApiError(400, "the WebSocket streams pcm (or codec frames): response_format "
-                           "must be 'pcm'", code="invalid_response_format",
-                           param="response_format")
+            raise RequestError(400, "invalid_response_format",
+                               "the WebSocket streams pcm (or codec frames): response_format "
+                               "must be 'pcm'", param="response_format")
         if cfg.codec_frames:
             if not backend.supports_codec_frames:
-                raise ApiError(400, f"codec_frames: model '{backend.model_name}' cannot stream "
-                               "codec frames (this server decodes on its side); ask for pcm",
-                               code="codec_frames_unsupported", param="codec_frames")
+                raise RequestError(400, "codec_frames_unsupported",
+                                   f"codec_frames: model '{backend.model_name}' cannot stream "
+                                   "codec frames (this server decodes on its side); ask for pcm",
+                                   param="codec_frames")
             if cfg.stream_format == "sse":
-                raise ApiError(400, "codec_frames are sent as binary frames: use stream_format "
-                               "'audio'", code="invalid_value", param="stream_format")
+                raise RequestError(400, "invalid_value",
+                                   "codec_frames are sent as binary frames: use stream_format "
+                                   "'audio'", param="stream_format")
         template = resolve_options(cfg, backend, self.st.settings,
                                    stream_codes=cfg.codec_frames, voices=self.st.voices)
         # a ref_audio clip is cloned once here and serves every utterance of the session
@@ -442,8 +450,9 @@ class WsSession:
     def check_pending(self) -> None:
         cap = self.st.settings.ws_max_pending_utterances
         if self.queue.qsize() >= cap:
-            raise ApiError(429, f"more than {cap} utterances pending: wait for audio.done before "
-                           "sending more text", code="too_many_pending", param="text")
+            raise RequestError(429, "too_many_pending",
+                               f"more than {cap} utterances pending: wait for audio.done before "
+                               "sending more text", param="text")
 
     # --- worker --------------------------------------------------------------------------------
     async def work(self) -> None:
@@ -470,7 +479,7 @@ class WsSession:
                 if task.cancelled():
                     async with self.cancel_lock:  # input.cancel answers before anything else
                         continue
-                if isinstance(err := task.exception(), ApiError):
+                if isinstance(err := task.exception(), RequestError):
                     await self.send_error(err, utt)
                 elif err is not None:
                     raise err

@@ -5,9 +5,8 @@ the audio inline (``decode_ref_audio_field`` -> bytes -> ``decode_audio``). The 
 fetches URLs or reads its own paths on a client's behalf: that would let a request probe the
 server's network or files.
 
-Every failure is a :class:`VoiceError` carrying the HTTP status, a short code and the request
-field at fault, in the same shape as the server's ``ApiError``
-(``ApiError(e.status, e.message, code=e.code, param=e.param)``).
+Every failure is an ``errors.RequestError`` carrying the HTTP status, a short code and the
+request field at fault, which the server sends as it is.
 
 Limits (one place; the encoder resamples, so any sample rate is accepted):
 
@@ -33,7 +32,9 @@ import re
 import numpy as np
 import soundfile as sf
 
-__all__ = ["VoiceError", "decode_audio", "decode_ref_audio_field", "ACCEPTED_FORMATS",
+from omni_stream.errors import RequestError
+
+__all__ = ["decode_audio", "decode_ref_audio_field", "ACCEPTED_FORMATS",
            "MAX_UPLOAD_BYTES", "MIN_SECONDS", "MAX_SECONDS", "SILENCE_DBFS",
            "MIN_SAMPLE_RATE", "MAX_SAMPLE_RATE", "MAX_CHANNELS"]
 
@@ -51,30 +52,12 @@ _FORMS = ("a data URL ('data:audio/wav;base64,...') or plain standard base64 of 
           "(RFC 4648 alphabet with '=' padding)")
 
 
-class VoiceError(ValueError):
-    """A client-visible failure in voice input: HTTP ``status``, short snake_case ``code``,
-    the request field at fault (``param``) and a message that names the fix. The attributes
-    match ``server.errors.ApiError``'s constructor, so the server converts it one to one."""
-
-    retry_after: float | None = None
-
-    def __init__(self, status: int, message: str, *, code: str,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-    def __repr__(self) -> str:
-        return f"VoiceError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
-
-
-def _too_large(n: int, param: str) -> VoiceError:
-    return VoiceError(413, f"the reference audio is {n / 2**20:.1f} MiB; at most "
-                           f"{MAX_UPLOAD_BYTES // 2**20} MiB is accepted: send a shorter clip "
-                           f"({MIN_SECONDS:g}-{MAX_SECONDS:g} s) or a compressed format (FLAC, MP3, OGG)",
-                      code="upload_too_large", param=param)
+def _too_large(n: int, param: str) -> RequestError:
+    return RequestError(413, "upload_too_large",
+                        f"the reference audio is {n / 2**20:.1f} MiB; at most "
+                        f"{MAX_UPLOAD_BYTES // 2**20} MiB is accepted: send a shorter clip "
+                        f"({MIN_SECONDS:g}-{MAX_SECONDS:g} s) or a compressed format (FLAC, MP3, OGG)",
+                        param=param)
 
 
 def decode_audio(data: bytes, param: str = "audio") -> tuple[np.ndarray, int]:
@@ -86,56 +69,58 @@ def decode_audio(data: bytes, param: str = "audio") -> tuple[np.ndarray, int]:
     server allocate them.
     """
     if len(data) == 0:
-        raise VoiceError(400, "the reference audio is empty (0 bytes): send a "
-                              f"{MIN_SECONDS:g}-{MAX_SECONDS:g} s clip of speech",
-                         code="audio_empty", param=param)
+        raise RequestError(400, "audio_empty", "the reference audio is empty (0 bytes): send a "
+                           f"{MIN_SECONDS:g}-{MAX_SECONDS:g} s clip of speech", param=param)
     if len(data) > MAX_UPLOAD_BYTES:
         raise _too_large(len(data), param)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             sr, channels = int(f.samplerate), int(f.channels)
             if not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
-                raise VoiceError(400, f"the reference audio's sample rate is {sr} Hz; "
-                                      f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz is accepted: "
-                                      "re-encode it (e.g. at 24000 or 48000 Hz)",
-                                 code="unsupported_sample_rate", param=param)
+                raise RequestError(400, "unsupported_sample_rate",
+                                   f"the reference audio's sample rate is {sr} Hz; "
+                                   f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz is accepted: "
+                                   "re-encode it (e.g. at 24000 or 48000 Hz)", param=param)
             if channels > MAX_CHANNELS:
-                raise VoiceError(400, f"the reference audio has {channels} channels; at most "
-                                      f"{MAX_CHANNELS} are accepted: send a mono or stereo clip",
-                                 code="too_many_channels", param=param)
+                raise RequestError(400, "too_many_channels",
+                                   f"the reference audio has {channels} channels; at most "
+                                   f"{MAX_CHANNELS} are accepted: send a mono or stereo clip",
+                                   param=param)
             limit = int(math.ceil(MAX_SECONDS * sr)) + 1
             claimed = f.frames if f.seekable() else None
             x = f.read(frames=limit, dtype="float32", always_2d=True)  # [samples, channels]
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         why = (getattr(e, "error_string", "") or str(e)).strip().rstrip(".")  # not the BytesIO repr
-        raise VoiceError(415, f"could not read the reference audio as {ACCEPTED_FORMATS} ({why}): "
-                              "send the clip in one of these formats",
-                         code="unsupported_audio", param=param) from e
+        raise RequestError(415, "unsupported_audio",
+                           f"could not read the reference audio as {ACCEPTED_FORMATS} ({why}): "
+                           "send the clip in one of these formats", param=param) from e
     if x.shape[0] == 0 or x.shape[1] == 0:
-        raise VoiceError(400, "the reference audio holds no samples: send a "
-                              f"{MIN_SECONDS:g}-{MAX_SECONDS:g} s clip of speech",
-                         code="audio_empty", param=param)
+        raise RequestError(400, "audio_empty", "the reference audio holds no samples: send a "
+                           f"{MIN_SECONDS:g}-{MAX_SECONDS:g} s clip of speech", param=param)
     wav = np.ascontiguousarray(x.mean(axis=1, dtype=np.float32))  # [samples]
     if not np.isfinite(wav).all():
-        raise VoiceError(400, "the reference audio has NaN or infinite samples: re-export it "
-                              "(e.g. as 16-bit PCM WAV)", code="audio_not_finite", param=param)
+        raise RequestError(400, "audio_not_finite",
+                           "the reference audio has NaN or infinite samples: re-export it "
+                           "(e.g. as 16-bit PCM WAV)", param=param)
     n = wav.shape[0]
     if n >= limit:
         total = f"{claimed / sr:.1f} s" if claimed and claimed >= limit else f"over {MAX_SECONDS:g} s"
-        raise VoiceError(400, f"the reference audio is {total} long; at most {MAX_SECONDS:g} s is "
-                              "accepted: trim it to a few seconds of clean speech",
-                         code="audio_too_long", param=param)
+        raise RequestError(400, "audio_too_long",
+                           f"the reference audio is {total} long; at most {MAX_SECONDS:g} s is "
+                           "accepted: trim it to a few seconds of clean speech", param=param)
     secs = n / sr
     if secs < MIN_SECONDS:
-        raise VoiceError(400, f"the reference audio is {secs:.2f} s long; at least "
-                              f"{MIN_SECONDS:g} s is needed: send a longer clip of speech "
-                              "(3-10 s works best)", code="audio_too_short", param=param)
+        raise RequestError(400, "audio_too_short",
+                           f"the reference audio is {secs:.2f} s long; at least "
+                           f"{MIN_SECONDS:g} s is needed: send a longer clip of speech "
+                           "(3-10 s works best)", param=param)
     peak = float(np.abs(wav).max())
     if peak < _SILENCE_PEAK:
         level = "-inf" if peak == 0 else f"{20 * math.log10(peak):.0f}"
-        raise VoiceError(400, f"the reference audio is silent (peak {level} dBFS, below "
-                              f"{SILENCE_DBFS:g} dBFS): check the recording and send audible speech",
-                         code="audio_silent", param=param)
+        raise RequestError(400, "audio_silent",
+                           f"the reference audio is silent (peak {level} dBFS, below "
+                           f"{SILENCE_DBFS:g} dBFS): check the recording and send audible speech",
+                           param=param)
     return wav, sr
 
 
@@ -147,18 +132,19 @@ _B64_CHARS = re.compile(r"^[A-Za-z0-9+/]*={0,2}$")
 _WS = re.compile(r"\s+")
 
 
-def _refuse_url(param: str) -> VoiceError:
-    return VoiceError(400, f"'{param}' looks like a URL; the server does not fetch URLs (for "
-                           f"security): send the audio inline as {_FORMS}, or upload it once "
-                           "with POST /v1/audio/voices and use the voice's name",
-                      code="ref_audio_url_refused", param=param)
+def _refuse_url(param: str) -> RequestError:
+    return RequestError(400, "ref_audio_url_refused",
+                        f"'{param}' looks like a URL; the server does not fetch URLs (for "
+                        f"security): send the audio inline as {_FORMS}, or upload it once "
+                        "with POST /v1/audio/voices and use the voice's name", param=param)
 
 
-def _refuse_path(param: str) -> VoiceError:
-    return VoiceError(400, f"'{param}' looks like a file path; the server does not read its own "
-                           f"files on a client's behalf (for security): send the audio inline as "
-                           f"{_FORMS}, or upload it once with POST /v1/audio/voices and use the "
-                           "voice's name", code="ref_audio_path_refused", param=param)
+def _refuse_path(param: str) -> RequestError:
+    return RequestError(400, "ref_audio_path_refused",
+                        f"'{param}' looks like a file path; the server does not read its own "
+                        f"files on a client's behalf (for security): send the audio inline as "
+                        f"{_FORMS}, or upload it once with POST /v1/audio/voices and use the "
+                        "voice's name", param=param)
 
 
 def _b64(s: str, param: str, what: str) -> bytes:
@@ -168,8 +154,8 @@ def _b64(s: str, param: str, what: str) -> bytes:
     try:
         out = base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise VoiceError(400, f"'{param}' is not valid {what} ({e}): send {_FORMS}",
-                         code="invalid_ref_audio", param=param) from e
+        raise RequestError(400, "invalid_ref_audio",
+                           f"'{param}' is not valid {what} ({e}): send {_FORMS}", param=param) from e
     if len(out) > MAX_UPLOAD_BYTES:
         raise _too_large(len(out), param)
     return out
@@ -182,19 +168,21 @@ def decode_ref_audio_field(s: str, param: str = "ref_audio") -> bytes:
     are sniffed by ``decode_audio``) or plain base64. Refuses URLs and server paths.
     """
     if not isinstance(s, str):
-        raise VoiceError(400, f"'{param}' must be a string: {_FORMS}",
-                         code="invalid_ref_audio", param=param)
+        raise RequestError(400, "invalid_ref_audio", f"'{param}' must be a string: {_FORMS}",
+                           param=param)
     s = s.strip()
     if not s:
-        raise VoiceError(400, f"'{param}' is empty: send {_FORMS}", code="audio_empty", param=param)
+        raise RequestError(400, "audio_empty", f"'{param}' is empty: send {_FORMS}", param=param)
     if s[:5].lower() == "data:":
         m = _DATA_URL.match(s)
         if m is None:
-            raise VoiceError(400, f"'{param}' is not a valid data URL (no ',' before the data): "
-                                  f"send {_FORMS}", code="invalid_ref_audio", param=param)
+            raise RequestError(400, "invalid_ref_audio",
+                               f"'{param}' is not a valid data URL (no ',' before the data): "
+                               f"send {_FORMS}", param=param)
         if "base64" not in (p.strip().lower() for p in m["params"].split(";")):
-            raise VoiceError(400, f"'{param}' is a data URL without ';base64': send {_FORMS}",
-                             code="invalid_ref_audio", param=param)
+            raise RequestError(400, "invalid_ref_audio",
+                               f"'{param}' is a data URL without ';base64': send {_FORMS}",
+                               param=param)
         out = _b64(m["data"], param, "base64 in a data URL")
     else:
         if _URL.match(s):
@@ -207,6 +195,6 @@ def decode_ref_audio_field(s: str, param: str = "ref_audio") -> bytes:
             raise _refuse_path(param)
         out = _b64(s, param, "base64")
     if not out:
-        raise VoiceError(400, f"'{param}' decodes to 0 bytes: send {_FORMS}",
-                         code="audio_empty", param=param)
+        raise RequestError(400, "audio_empty", f"'{param}' decodes to 0 bytes: send {_FORMS}",
+                           param=param)
     return out

@@ -34,7 +34,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from omni_stream.checkpoints.default import cache_dir
-from omni_stream.voices.audio import VoiceError
+from omni_stream.errors import RequestError
 from omni_stream.models.voice_clone import VoiceClone
 
 __all__ = ["VoiceStore", "VoiceRecord", "validate_name", "default_voice_dir",
@@ -52,7 +52,7 @@ _TMP_SUFFIX = ".tmp"  # temp files are ".<key>.<random>.tmp": a name cannot star
 
 
 def validate_name(name: Any) -> str:
-    """The name as given if it may name a stored voice, else VoiceError 400 ``invalid_voice_name``.
+    """The name as given if it may name a stored voice, else RequestError 400 ``invalid_voice_name``.
 
     1..64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit, no ``..``: it becomes
     a file name, so nothing in it can leave the store's folder.
@@ -60,11 +60,11 @@ def validate_name(name: Any) -> str:
     rule = (f"1-{MAX_NAME_LEN} characters from A-Z, a-z, 0-9, '_', '.', '-', starting with a "
             "letter or digit, without '..'")
     if not isinstance(name, str) or not name:
-        raise VoiceError(400, f"a voice name is required: {rule}",
-                         code="invalid_voice_name", param="name")
+        raise RequestError(400, "invalid_voice_name", f"a voice name is required: {rule}",
+                           param="name")
     if len(name) > MAX_NAME_LEN or not _NAME.fullmatch(name) or ".." in name:
-        raise VoiceError(400, f"invalid voice name {name[:80]!r}: use {rule}",
-                         code="invalid_voice_name", param="name")
+        raise RequestError(400, "invalid_voice_name",
+                           f"invalid voice name {name[:80]!r}: use {rule}", param="name")
     return name
 
 
@@ -171,14 +171,14 @@ class VoiceStore:
                 if _key(rec.name) + _SUFFIX != p.name:
                     raise ValueError(f"holds voice {rec.name!r}, whose file would be "
                                      f"{_key(rec.name)}{_SUFFIX}")
-            except (OSError, ValueError, KeyError, TypeError, SafetensorError, VoiceError) as e:
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
                 log.warning("skipping voice file %s: %s", p, e)
                 continue
             self._voices[_key(rec.name)] = rec
         log.info("voice store %s: %d voice(s)", self.root, len(self._voices))
 
     def add(self, name: str, clone: VoiceClone, duration_s: float, sample_rate: int) -> VoiceRecord:
-        """Store a new voice. VoiceError: 400 bad name, 409 the name (any case) exists, 507 full."""
+        """Store a new voice. RequestError: 400 bad name, 409 the name (any case) exists, 507 full."""
         name = validate_name(name)
         if not (duration_s >= 0 and np.isfinite(duration_s)) or int(sample_rate) <= 0:
             raise ValueError(f"bad clip metadata: duration {duration_s}, sample rate {sample_rate}")
@@ -188,13 +188,15 @@ class VoiceStore:
         with self._lock:
             old = self._voices.get(_key(name))
             if old is not None:
-                raise VoiceError(409, f"a voice named {old.name!r} already exists (names are "
-                                      "case-insensitive): delete it first "
-                                      f"(DELETE /v1/audio/voices/{old.name}) or pick another name",
-                                 code="voice_exists", param="name")
+                raise RequestError(409, "voice_exists",
+                                   f"a voice named {old.name!r} already exists (names are "
+                                   "case-insensitive): delete it first "
+                                   f"(DELETE /v1/audio/voices/{old.name}) or pick another name",
+                                   param="name")
             if len(self._voices) >= MAX_VOICES:
-                raise VoiceError(507, f"the voice store is full ({MAX_VOICES} voices): delete "
-                                      "voices that are no longer used", code="voice_store_full")
+                raise RequestError(507, "voice_store_full",
+                                   f"the voice store is full ({MAX_VOICES} voices): delete "
+                                   "voices that are no longer used")
             self._write(self.root / (_key(name) + _SUFFIX), data)
             self._voices[_key(name)] = rec
         return rec
