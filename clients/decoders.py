@@ -128,7 +128,7 @@ class TorchDecoder(FrameDecoder):
     def _use(self, dtype: str) -> None:
         from omni_stream.checkpoints.io import load_codec
         from omni_stream.models.onednn import pin_decode_isa
-        from omni_stream.stages.codec_stage import stage_kernels
+        from omni_stream.stages.codec_kernels import stage_kernels
 
         if dtype == "bfloat16":
             pin_decode_isa()  # the codec stage's oneDNN level (before this process's first call)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from omni_stream.checkpoints.presets import _CODEC_RELEASED  # noqa: E402
 from omni_stream.models.code2wav import (Code2Wav, Code2WavConfig, Code2WavStream,  # noqa: E402
                                          random_code2wav_state_dict)
-from omni_stream.stages.codec_stage import same_bits, stage_kernels  # noqa: E402
+from omni_stream.stages.codec_kernels import same_bits, stage_kernels  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ to bf16 exactly where the stage rounds, so that the two differ only in the order
 accumulations (``decoder_export_bench.py --sensitivity`` uses it).
 
 The idea it tests (issue 37, item 4): an ExecuTorch client runs fp32 (XNNPACK), the default CPU
-server decodes in bf16 (``codec_stage.stage_kernels``: oneDNN GEMMs and convs that accumulate in
+server decodes in bf16 (``codec_kernels.stage_kernels``: oneDNN GEMMs and convs that accumulate in
 fp32 and round once with their bias; a transposed conv as a GEMM, then its overlap-add, then its
 bias, each rounded; every elementwise op, norm and softmax rounding its output; the runtime's
 one-pass Snake, fp32 inside, rounded once). bf16 values and their products are exact in fp32,

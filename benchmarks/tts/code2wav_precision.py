@@ -191,7 +191,7 @@ def _stage_kernels(model_path: str):
     oneDNN's packing is unavailable)."""
     from omni_stream.checkpoints.io import load_codec
     from omni_stream.models.code2wav_gemm import onednn_packing_available
-    from omni_stream.stages.codec_stage import stage_kernels
+    from omni_stream.stages.codec_kernels import stage_kernels
 
     m = load_codec(model_path, dtype=torch.bfloat16)
     return stage_kernels(m) if onednn_packing_available(m.pre_conv.conv.weight) else None

@@ -3,7 +3,7 @@ time, and wire bytes.
 
 Side by side on the same checkpoint (default: the 0.6B-shaped random one), one CPU thread:
   eager       ``Code2WavStream`` fp32 (``--decoder-backend torch --decoder-dtype fp32``);
-  torch-bf16  the codec stage's own bf16 decode (``codec_stage.stage_kernels``: what
+  torch-bf16  the codec stage's own bf16 decode (``codec_kernels.stage_kernels``: what
               ``--decoder-backend torch`` runs against a bf16 server, and what the server runs);
   pt2         the fp32 ExportedProgram of the streaming step (``torch.export.load(...).module()``);
   aoti        the same program compiled by AOTInductor for this CPU;
@@ -61,7 +61,7 @@ from omni_stream.export.manifest import Manifest, ManifestError, codec_identity 
 from omni_stream.export.runtime_torch import load_program  # noqa: E402
 from omni_stream.export.torch_program import export_program  # noqa: E402
 from omni_stream.models.code2wav import Code2WavStream  # noqa: E402
-from omni_stream.stages.codec_stage import stage_kernels  # noqa: E402
+from omni_stream.stages.codec_kernels import stage_kernels  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.*
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402

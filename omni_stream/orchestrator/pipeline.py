@@ -22,7 +22,8 @@ from typing import Callable
 from omni_stream.contract import BackendError
 from omni_stream.observability import stepstats
 from omni_stream.orchestrator.settings import PipelineSettings
-from omni_stream.stages.codec_stage import READY_STREAM_ID, run_codec_stage
+from omni_stream.stages.codec_proc import run_codec_stage
+from omni_stream.stages.codec_stage import READY_STREAM_ID
 from omni_stream.stages.cp_stage import run_cp_stage
 from omni_stream.stages.proc import StageSpec
 from omni_stream.stages.talker_proc import run_talker_stage

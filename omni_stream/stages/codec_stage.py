@@ -21,21 +21,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from omni_stream.models.onednn import pin_decode_isa
 from omni_stream.models.code2wav import Code2Wav, Code2WavStream
 from omni_stream.observability import stepstats
 from omni_stream.scheduling.chunking import ChunkPolicy
-from omni_stream.transport import (ChannelClosed, ControlChannel, FailReason, Flags,
-                                   MeasureCosts, Message, MsgKind, Ring, StatsReply, StreamStart)
+from omni_stream.stages.codec_kernels import same_bits
 from omni_stream.stages.faults import FaultPlan
-from omni_stream.stages.proc import orphan_cleanup, parent_alive, start_stage
+from omni_stream.transport import FailReason, Flags, Message, MsgKind, Ring, StreamStart
 
 log = logging.getLogger(__name__)
 
@@ -373,94 +370,3 @@ class CodecStage:
                     decode_ms_per_frame=1e3 * self.decode_s / max(self.decoded_frames, 1),
                     decode_calls=self.calls, voice_primes_decoded=self.primes_decoded,
                     voice_primes_cached=len(self.primed))
-
-
-def run_codec_stage(spec, ctrl: ControlChannel, frames_handle, audio_handle) -> None:
-    """Process entry point: consume ``frames``, produce ``audio``; answer cost measurements
-    (``MeasureCosts``) on ``ctrl``."""
-    level = pin_decode_isa() if spec.device == "cpu" else None  # before any oneDNN primitive
-    start_stage("codec", spec)
-    from omni_stream.checkpoints.io import load_codec
-
-    inp = frames_handle.open()
-    out = audio_handle.open()
-    model = stage_kernels(load_codec(spec.model_path, dtype=getattr(torch, spec.dtype),
-                                     device=spec.device))
-    stage = CodecStage(model, spec.max_slots, out, faults=FaultPlan.from_env())
-    if spec.device == "cpu":
-        log.info("codec warm-up: %.1f s", stage.warm_up())
-        if model.packed:
-            same = stage.check_invariance()
-            log.log(logging.INFO if same else logging.WARNING,
-                    "bf16 decode at oneDNN level %s: %s", level,
-                    "the same bits at any chunk plan and batch (checked)" if same else
-                    "NOT the same bits at any chunk plan (a stream's audio follows its chunking "
-                    "within bf16 rounding); --codec-dtype float32 for a decode that does not "
-                    "depend on the ISA")
-    if spec.lends_cores:  # take the lent cores back from the talker for each decode
-        from omni_stream.engine.cpu.pool import CoreLease
-        from omni_stream.transport.ring import LEASE_OFF
-
-        stage.lease = CoreLease.open(frames_handle.path, LEASE_OFF)
-    out.put(None, kind=MsgKind.EVENT, stream_id=READY_STREAM_ID, timeout=5.0)
-    try:
-        did = False
-        while parent_alive():
-            m = inp.get(timeout=0 if did else 0.05)  # an arriving frame wakes the wait at once
-            while m is not None:
-                stage.on_message(m)
-                m = inp.get(timeout=0)
-            did = stage.iterate()
-            _control(stage, ctrl)
-    finally:
-        stepstats.dump()
-        inp.close()
-        out.close()
-        orphan_cleanup()
-
-
-def _control(stage: CodecStage, ctrl: ControlChannel) -> None:
-    """Requests on the stage's control channel: ``MeasureCosts`` (the answer is a StatsReply
-    of its id)."""
-    try:
-        while (msg := ctrl.recv(timeout=0)) is not None:
-            if isinstance(msg, MeasureCosts):
-                ctrl.send(StatsReply(stage="codec", pid=os.getpid(), request_id=msg.request_id,
-                                     stats=stage.measure()))
-    except (ChannelClosed, OSError):
-        pass  # the server is going away: parent_alive() ends the loop
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns (``torch.equal`` calls -0.0 and 0.0 equal and NaN unequal)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
-
-
-def stage_kernels(model: Code2Wav) -> Code2Wav:
-    """``model`` set up to run as the codec stage runs it: on a CPU in bf16, weights packed once
-    and the runtime's one-pass Snake (the kernels whose output is the same bits at any chunk
-    plan where oneDNN runs at ``onednn.DECODE_LEVEL``: ``pin_decode_isa`` before the process's
-    first oneDNN call); unchanged elsewhere. A client decoding on the same kind of CPU with it
-    gets the stage's samples."""
-    model.pack(snake=_snake_kernel(model))
-    return model
-
-
-def _snake_kernel(model: Code2Wav):
-    """The CPU runtime's one-pass SnakeBeta for a bf16 model on CPU (None elsewhere, or when the
-    runtime cannot be built here: torch's ops then run it)."""
-    p = model.pre_conv.conv.weight
-    if p.device.type != "cpu" or p.dtype != torch.bfloat16:
-        return None
-    try:
-        from omni_stream.engine.cpu.abi import snake_kernel
-
-        return snake_kernel()
-    except Exception as e:  # no compiler, or a failed build: the torch ops are correct too
-        log.warning("the CPU runtime's Snake kernel is unavailable (%s): using torch's ops", e)
-        return None
-
-
