@@ -255,9 +255,7 @@ def test_state_made_outside_inference_mode_updates_inside(model, ref, codes) -> 
 @pytest.mark.parametrize("gemm_min_channels", [768, 0])
 def test_packed_bf16_weights_decode_as_the_unpacked(codes, ref, gemm_min_channels) -> None:
     """``pack()`` (bf16 on CPU: oneDNN's blocked weights, made once) streams the same audio as
-    the unpacked bf16 model, within bf16 rounding, and is as close to the fp32 decode; an fp32
-    model is left as it is (its streaming stays the exact kernels)."""
-    assert _build().pack() is False
+    the unpacked bf16 model, within bf16 rounding, and is as close to the fp32 decode."""
     plain, packed = _build(gemm_min_channels).to(torch.bfloat16), _build(gemm_min_channels).to(torch.bfloat16)
     try:  # with the CPU runtime's one-pass Snake where it builds
         from omni_stream.engine.cpu.abi import snake_kernel
@@ -277,6 +275,41 @@ def test_packed_bf16_weights_decode_as_the_unpacked(codes, ref, gemm_min_channel
 
     assert snr(b, a) > 20, snr(b, a)
     assert snr(b, want) > snr(a, want) - 3, (snr(b, want), snr(a, want))
+
+
+@pytest.mark.parametrize("gemm_min_channels", [768, 0])
+def test_packed_fp32_streams_the_one_pass_and_the_same_bits_at_any_chunks_and_batch(
+        codes, ref, gemm_min_channels) -> None:
+    """``pack()`` in fp32 (every conv that is not depthwise as a packed GEMM, the quantizer's
+    projection packed, a lone row computed as one of two, each query's keys contiguous) streams
+    the one-pass decode within fp32 rounding, and one stream's audio is the same bits at any
+    chunk plan, with or without another stream in its calls. Unpacked, fp32 rounds by the
+    call's length (oneDNN's conv, MKL's GEMV for one row, matmul over a strided window), so
+    a seeded request's samples moved by 1 LSB with the timing of its chunks."""
+    m = _build(gemm_min_channels)
+    if not m.pack():
+        pytest.skip("this torch has no oneDNN packing")
+    n = 24
+    with torch.inference_mode():
+        def one(splits: list[int], other: bool) -> torch.Tensor:
+            s, outs, a = Code2WavStream(m, 3), [], 0
+            if other:  # another stream, 3 frames ahead, shares every call
+                s.decode([2], codes[1:, :, :3])
+            for k in splits:
+                if other and a + k + 3 <= n:
+                    y = s.decode([0, 2], torch.cat([codes[:1, :, a:a + k], codes[1:, :, a + 3:a + 3 + k]]))
+                else:
+                    y = s.decode([0], codes[:1, :, a:a + k])
+                outs.append(y[0])
+                a += k
+            return torch.cat(outs)
+
+        want = one([4] * 6, False)
+        assert (want - ref[0, :n * SPF]).abs().max() <= TOL
+        for splits, other in (([1] * n, False), ([n], False), ([1, 2, 3, 5, 7, 6], False),
+                              ([3, 5, 2, 6, 1, 7], True), ([1] * n, True)):
+            got = one(splits, other)  # the same bits (torch.equal calls -0.0 and 0.0 equal)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (splits, other)
 
 
 def _in_bf16(module: torch.nn.Module) -> None:

@@ -10,9 +10,12 @@ equals the one-pass decode at any chunking, to float rounding. With the packed k
 (``pack``) a stream's streamed output is moreover the same bits at any chunking and batch:
 every streaming product treats a frame's rows alike whatever else the call holds (each query
 attends its own window in a product of fixed shape, the quantizer projects row by row, the
-Snake kernel has no scalar tail), so in bf16 a request does not sound different by timing.
-That holds where oneDNN runs at ``AVX512_CORE_BF16`` (its AMX and its emulated-bf16 kernels
-round by row count): a process pins that level first (``models.onednn.pin_decode_isa``).
+Snake kernel has no scalar tail, a lone row is computed as one of two), so in bf16 and in fp32
+a request does not sound different by timing. In bf16 that holds where oneDNN runs at
+``AVX512_CORE_BF16`` (its AMX and its emulated-bf16 kernels round by row count): a process
+pins that level first (``models.onednn.pin_decode_isa``). Unpacked (fp32 off CPU, or a torch
+without oneDNN) the chunk plan moves samples by float rounding (~1e-6: 1 LSB of s16 in about
+1% of the samples).
 
 Parameter names equal the official ``Qwen3TTSTokenizerV2Decoder`` state_dict keys with the
 ``decoder.`` prefix stripped, so a checkpoint loads strictly (``load_state_dict(sd, strict=True)``).
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 
 from omni_stream.config import Code2WavConfig
 from omni_stream.models.code2wav_blocks import (CausalConv1d, CausalTransConv1d, ConvNeXtBlock,
-                                              DecoderBlock, SnakeBeta, SplitResidualVQ)
+                                              DecoderBlock, ResidualVQ, SnakeBeta, SplitResidualVQ)
 from omni_stream.models.code2wav_gemm import (DEFAULT_GEMM_MIN_CHANNELS, onednn_packing_available,
                                             pack_onednn_linear)
 from omni_stream.models.code2wav_state import Code2WavState, Step
@@ -88,19 +91,26 @@ class Code2Wav(nn.Module):
         return self.cfg.samples_per_frame
 
     def pack(self, snake=None) -> bool:
-        """Hold the weights of the wide streaming convs, of every transposed conv and of every
-        linear layer in oneDNN's blocked layout as well (bf16 on CPU; False and nothing done
-        elsewhere). oneDNN then stops re-packing each weight on every call, which at streaming
-        sizes costs as much as the product itself (a decode call is 10-15% faster at the
-        released dims). The transposed convs then run as GEMMs, so the audio is the unpacked
-        bf16 decode's within bf16 rounding (tests/test_code2wav.py), not bit for bit. Call it
-        once the weights are loaded and cast: the packed copies do not follow later changes.
+        """Hold the weights of the wide streaming convs, of every transposed conv, of the
+        quantizer's projections and of every linear layer in oneDNN's blocked layout as well
+        (bf16 or fp32 on CPU; False and nothing done elsewhere). oneDNN then stops re-packing
+        each weight on every call, which at streaming sizes costs as much as the product itself
+        (a bf16 decode call is 10-15% faster at the released dims). The transposed convs then
+        run as GEMMs, so the audio is the unpacked decode's within rounding
+        (tests/test_code2wav.py), not bit for bit; and a stream's audio is the same bits at any
+        chunk plan and batch (``models.onednn`` says where). In fp32 every conv that is not
+        depthwise streams as a packed GEMM, the narrow ones too: oneDNN's fp32 conv rounds by
+        the call's length, so a request's audio would follow its timing. Call it once the
+        weights are loaded and cast: the packed copies do not follow later changes.
         ``snake``: a one-pass SnakeBeta kernel for streaming (``engine.cpu.abi.snake_kernel``:
         torch's five bf16 ops are a quarter of a decode call)."""
-        if not onednn_packing_available(self.pre_conv.conv.weight):
+        w = self.pre_conv.conv.weight
+        if not onednn_packing_available(w):
             return False
         for m in self.modules():
-            if isinstance(m, (CausalConv1d, CausalTransConv1d)):
+            if isinstance(m, CausalConv1d) and w.dtype == torch.float32 and m.conv.groups == 1:
+                m.gemm = True
+            if isinstance(m, (CausalConv1d, CausalTransConv1d, ResidualVQ)):
                 m.pack()
             elif isinstance(m, nn.Linear):
                 pack_onednn_linear(m)

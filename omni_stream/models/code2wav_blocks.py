@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni_stream.config import Code2WavConfig
-from omni_stream.models.code2wav_gemm import conv1d_gemm, conv_transpose1d_gemm
+from omni_stream.models.code2wav_gemm import conv1d_gemm, conv_transpose1d_gemm, packed_rows
 from omni_stream.models.code2wav_state import Step
 
 
@@ -204,13 +204,22 @@ class ResidualVQ(nn.Module):
         self.input_proj = nn.Conv1d(io_dim, dim, 1, bias=False)
         self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
         self.vq = _VQStack(n_q, size, dim)
+        self.packed: Tensor | None = None  # output_proj as a packed linear (Code2Wav.pack)
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            self.output_proj.weight.detach()[:, :, 0].contiguous(), 64)
 
     def decode(self, codes: Tensor, rows: bool = False) -> Tensor:  # [B, K, T] -> [B, io_dim, T]
         """``rows``: project each frame as a row of one product (streaming: the conv kernel's
-        algorithm, hence its rounding, depends on the length T, i.e. on the chunk plan)."""
+        algorithm, hence its rounding, depends on the length T, i.e. on the chunk plan; so does
+        fp32 ``F.linear``'s on the row count, hence the packed product where there is one)."""
         q = self.vq.layers[0]._codebook.decode(codes[:, 0])
         for k in range(1, codes.shape[1]):
             q = q + self.vq.layers[k]._codebook.decode(codes[:, k])
+        if rows and self.packed is not None:
+            b, t, d = q.shape
+            return packed_rows(q.reshape(b * t, d), self.packed, None).view(b, t, -1).transpose(1, 2)
         if rows:
             return F.linear(q, self.output_proj.weight[:, :, 0]).transpose(1, 2)
         return self.output_proj(q.transpose(1, 2))

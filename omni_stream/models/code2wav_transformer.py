@@ -62,7 +62,10 @@ def windowed_attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Ten
     b, h, t, d = q.shape
     hkv = k.shape[1]
     g, w = h // hkv, past_k.shape[2] + 1
-    kw = torch.cat((past_k, k), dim=2).unfold(2, w, 1)  # [B, Hkv, T, D, W]: query t's keys
+    # [B, Hkv, T, D, W]: query t's keys. Contiguous: as a view, one query's window (T = 1)
+    # reaches the product in another layout than several queries' (which matmul copies), and
+    # fp32 then runs another kernel for it, whose sums round differently
+    kw = torch.cat((past_k, k), dim=2).unfold(2, w, 1).contiguous()
     vw = torch.cat((past_v, v), dim=2).unfold(2, w, 1)
     qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
     scores = torch.matmul(qg, kw) * scale  # [B, Hkv, T, G, W]
