@@ -1,5 +1,9 @@
 """WebSocket ``/v1/audio/speech/stream``: text in as it is written, speech out per sentence.
 
+This docstring is the protocol. Here: the session (reader, config, worker); the text side (the
+sentence splitter, the utterance queue, context labels) is ws_utterances.py, the sending side
+(events, PCM, codec frames of one utterance) ws_output.py.
+
 Client -> server (JSON text messages, field ``type``):
   ``session.config`` {voice, language, instructions, seed, response_format ("pcm"),
       stream_format ("audio": binary frames, default | "sse": JSON delta events),
@@ -79,96 +83,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from omni_stream.server import ui
-from omni_stream.server.audio import to_s16le
-from omni_stream.config import FRAME_S
-from omni_stream.contract import NUM_CODE_GROUPS, SpeechJob, TextFeed
+from omni_stream.contract import TextFeed
 from omni_stream.errors import RequestError
-from omni_stream.server.errors import ws_error_event
+from omni_stream.server import ui
 from omni_stream.server.schema import (ClientEvent, InputCancel, InputDone, InputText,
                                        SessionClose, SessionConfig, check_characters,
                                        check_stream_speed, check_text, decode_json,
                                        new_request_id, resolve_options)
 from omni_stream.server.speech import check_ready
 from omni_stream.server.speed import check_speed
-from omni_stream.server.sse import delta_event
 from omni_stream.server.state import STATE, ServerState
 from omni_stream.server.stream import StreamRun
+from omni_stream.server.ws_output import WsSender, codec_info, speak
+from omni_stream.server.ws_utterances import (ContextEnd, Utterance, UtteranceQueue,
+                                              check_context_id, split_sentences)
 
 log = logging.getLogger(__name__)
 
-# a sentence ends at terminal punctuation (plus closing quotes/brackets) followed by whitespace,
-# or right after CJK terminal punctuation
-_SENTENCE_END = re.compile(r"[.!?;…]+[\"'”’)\]]*\s+|[。！？；]+[”’」』）]*\s*")
-
-
-def split_sentences(buffer: str, max_chars: int, sentences: bool = True) -> tuple[list[str], str]:
-    """Cut the complete sentences (if ``sentences``) off ``buffer``: (pieces, rest). A rest
-    longer than ``max_chars`` is cut at its last whitespace (or hard at the cap), so no
-    utterance exceeds the cap and the buffer stays bounded."""
-    out, start = [], 0
-    for m in _SENTENCE_END.finditer(buffer) if sentences else ():
-        out.append(buffer[start:m.end()].strip())
-        start = m.end()
-    rest = buffer[start:]
-    while len(rest) > max_chars:
-        cut = rest.rfind(" ", 0, max_chars + 1)
-        cut = cut if cut > 0 else max_chars
-        out.append(rest[:cut].strip())
-        rest = rest[cut:].lstrip()
-    return [s for s in out if s], rest
-
-
-MAX_CONTEXT_ID_CHARS = 128
-
-
-@dataclass
-class Utterance:
-    """A queued utterance: the backend job and the client's label for it."""
-
-    job: SpeechJob
-    context_id: str | None = None
-    speed: float = 1.0  # OpenAI speed: its audio is time-stretched by the server
-
-    def tag(self, event: dict[str, Any]) -> dict[str, Any]:
-        """``event`` with this utterance's request_id and (if any) context_id."""
-        event["request_id"] = self.job.request_id
-        if self.context_id is not None:
-            event["context_id"] = self.context_id
-        return event
-
-
-@dataclass
-class ContextEnd:
-    """Queued by ``input.done`` {context_id}: answered with ``context.done`` when reached."""
-
-    context_id: str
-
-
-def check_context_id(context_id: str | None) -> None:
-    if context_id is None:
-        return
-    check_characters(context_id, "context_id")
-    if not context_id or len(context_id) > MAX_CONTEXT_ID_CHARS:
-        raise RequestError(400, "invalid_value",
-                           f"context_id must be 1 to {MAX_CONTEXT_ID_CHARS} characters",
-                           param="context_id")
+__all__ = ["WsSession", "speech_stream", "split_sentences"]
 
 
 class WsSession:
-    """One WebSocket connection: a reader (this handler's task) and a worker that speaks the
-    queued utterances in order, one at a time."""
+    """One WebSocket connection: a reader (this handler's task: :meth:`on_text` applies each
+    client event) and a worker (:meth:`work`) that speaks the queued utterances in order, one at
+    a time (``ws_output.speak``); the text becomes utterances in ``ws_utterances``."""
 
     def __init__(self, ws: web.WebSocketResponse, st: ServerState) -> None:
         self.ws = ws
+        self.out = WsSender(ws)
         self.st = st
         self.config = SessionConfig()
         self.template = resolve_options(self.config, st.backend, st.settings, voices=st.voices)
@@ -179,27 +126,13 @@ class WsSession:
         self.feed: TextFeed | None = None  # the open continuous utterance
         self.feed_context: str | None = None  # its label
         self.feed_speed = 1.0  # its speed
-        self.queue: asyncio.Queue[Utterance | ContextEnd | None] = asyncio.Queue()
+        self.queue = UtteranceQueue(st.settings.ws_max_pending_utterances)
         self.current: Utterance | None = None  # the utterance being spoken
         self.current_task: asyncio.Task | None = None  # the task speaking it
         self.current_run: StreamRun | None = None
         self.cancel_lock = asyncio.Lock()  # held by cancel() until audio.cancelled is sent
-        self.send_lock = asyncio.Lock()  # keeps a codec.frames header next to its binary frame
         self.closing = False  # session.close received
         self.finishing = False  # the worker is closing the socket gracefully
-
-    # --- sending -------------------------------------------------------------------------------
-    async def send_json(self, event: dict[str, Any]) -> None:
-        async with self.send_lock:
-            await self.ws.send_str(msgspec.json.encode(event).decode())
-
-    async def send_error(self, err: RequestError, utt: Utterance | None = None,
-                         context_id: str | None = None) -> None:
-        if utt is not None:
-            event = ws_error_event(err, utt.job.request_id, utt.context_id)
-        else:
-            event = ws_error_event(err, context_id=context_id)
-        await self.send_json(event)
 
     def describe(self) -> dict[str, Any]:
         t, c = self.template, self.config
@@ -210,26 +143,18 @@ class WsSession:
                 "split_sentences": c.split_sentences, "text_mode": c.text_mode or "sentences",
                 "speed": self.speed,
                 "sample_rate": self.st.backend.sample_rate,
-                **({"codec": self.codec()} if self.st.backend.supports_codec_frames else {})}
+                **({"codec": codec_info(self.st.backend)}
+                   if self.st.backend.supports_codec_frames else {})}
 
-    def codec(self) -> dict[str, Any]:
-        """What a client-side decoder must match: geometry, plus the codec weights' identity
-        (``codec_sha256``, from ``omni_stream.export.manifest.codec_identity``) where the
-        backend knows it."""
-        b = self.st.backend
-        return {"num_codebooks": NUM_CODE_GROUPS, "sample_rate": b.sample_rate,
-                "frame_rate": 1 / FRAME_S, **(getattr(b, "codec_info", None) or {})}
-
-    # --- reader --------------------------------------------------------------------------------
     async def run(self) -> None:
         worker = asyncio.create_task(self.work())
         try:
-            await self.send_json({"type": "session.created", "session": self.describe()})
+            await self.out.json({"type": "session.created", "session": self.describe()})
             async for msg in self.ws:
                 if msg.type == WSMsgType.TEXT:
                     await self.on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
-                    await self.send_error(RequestError(400, "invalid_event",
+                    await self.out.error(RequestError(400, "invalid_event",
                                                        "binary messages are not accepted: send "
                                                        "JSON text events"))
         except ConnectionError:
@@ -247,25 +172,25 @@ class WsSession:
             if err.param == "type":
                 err.message += (" (use session.config, input.text, input.done, input.cancel, "
                                 "session.close)")
-            await self.send_error(err)
+            await self.out.error(err)
             return
         if isinstance(event, InputCancel):
             try:
                 check_context_id(event.context_id)
             except RequestError as e:
-                await self.send_error(e)
+                await self.out.error(e)
                 return
             await self.cancel(event.context_id)
             return
         if self.closing:
-            await self.send_error(RequestError(400, "session_closing",
+            await self.out.error(RequestError(400, "session_closing",
                                                "session.close was received; open a new "
                                                "session"))
             return
         try:
             if isinstance(event, SessionConfig):
                 await self.configure(event)
-                await self.send_json({"type": "session.updated", "session": self.describe()})
+                await self.out.json({"type": "session.updated", "session": self.describe()})
             elif isinstance(event, InputText):
                 check_characters(event.text, "text")  # refused whole: the buffer stays clean
                 check_context_id(event.context_id)
@@ -297,9 +222,9 @@ class WsSession:
                 self.close_feed()
                 self.flush_buffer()
                 self.closing = True
-                self.queue.put_nowait(None)
+                self.queue.put(None)
         except RequestError as e:
-            await self.send_error(e, context_id=getattr(event, "context_id", None))
+            await self.out.error(e, context_id=getattr(event, "context_id", None))
 
     @property
     def continuous(self) -> bool:
@@ -321,29 +246,9 @@ class WsSession:
     async def end_context(self, context_id: str) -> None:
         """``context.done`` for ``context_id`` right after its last utterance: at once when
         none is running or queued, else queued just behind the last one."""
-        items = self._take_queue()
-        last = max((i for i, u in enumerate(items)
-                    if isinstance(u, Utterance) and u.context_id == context_id), default=None)
         running = self.current is not None and self.current.context_id == context_id
-        if last is None and not running:
-            self._refill(items)
-            await self.send_json({"type": "context.done", "context_id": context_id})
-            return
-        if len(items) >= self.st.settings.ws_max_pending_utterances:
-            self._refill(items)
-            self.check_pending()  # raises: too many pending
-        items.insert(0 if last is None else last + 1, ContextEnd(context_id))
-        self._refill(items)
-
-    def _take_queue(self) -> list[Utterance | ContextEnd | None]:
-        items = []
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        return items
-
-    def _refill(self, items: list[Utterance | ContextEnd | None]) -> None:
-        for item in items:
-            self.queue.put_nowait(item)
+        if not self.queue.end_context(context_id, running):
+            await self.out.json({"type": "context.done", "context_id": context_id})
 
     async def cancel(self, context_id: str | None) -> None:
         """``input.cancel``: stop the running utterance and drop the queued ones (those labelled
@@ -355,26 +260,15 @@ class WsSession:
         self.st.metrics.ws_cancels.inc()
         async with self.cancel_lock:  # the worker waits for the answer before going on
             stopped = await self._drop(match)
-            await self.send_json({"type": "audio.cancelled", "context_id": context_id,
-                                  "request_ids": stopped})
+            await self.out.json({"type": "audio.cancelled", "context_id": context_id,
+                                 "request_ids": stopped})
 
     async def _drop(self, match) -> list[str]:
-        stopped: list[str] = []
         if match(self.feed_context):
             self.close_feed()
         if match(self.buffer_context):
             self.buffer = ""
-        kept: list[Utterance | ContextEnd | None] = []
-        for utt in self._take_queue():
-            if isinstance(utt, ContextEnd) and match(utt.context_id):
-                continue  # a cancelled turn gets no context.done
-            if isinstance(utt, Utterance) and match(utt.context_id):
-                stopped.append(utt.job.request_id)
-                if utt.job.text_feed is not None:
-                    utt.job.text_feed.close()
-            else:
-                kept.append(utt)
-        self._refill(kept)
+        stopped = self.queue.drop(match)
         utt, task = self.current, self.current_task
         if utt is not None and task is not None and not task.done() and match(utt.context_id):
             stopped.insert(0, utt.job.request_id)
@@ -390,10 +284,10 @@ class WsSession:
         if self.feed is None:
             if not text:
                 return
-            self.check_pending()
+            self.queue.check_pending()
             self.feed = TextFeed()
             self.feed_context, self.feed_speed = context_id, speed
-            self.queue.put_nowait(Utterance(
+            self.queue.put(Utterance(
                 replace(self.template, text="", request_id=new_request_id("ws"),
                         text_feed=self.feed), context_id, speed))
         if self.feed.chars + len(text) > cap:
@@ -442,24 +336,16 @@ class WsSession:
 
     def enqueue(self, text: str, context_id: str | None = None, speed: float = 1.0) -> None:
         check_text(text, self.st.settings, "text")
-        self.check_pending()
-        self.queue.put_nowait(Utterance(replace(self.template, text=text,
-                                                request_id=new_request_id("ws")), context_id,
-                                        speed))
-
-    def check_pending(self) -> None:
-        cap = self.st.settings.ws_max_pending_utterances
-        if self.queue.qsize() >= cap:
-            raise RequestError(429, "too_many_pending",
-                               f"more than {cap} utterances pending: wait for audio.done before "
-                               "sending more text", param="text")
+        self.queue.check_pending()
+        job = replace(self.template, text=text, request_id=new_request_id("ws"))
+        self.queue.put(Utterance(job, context_id, speed))
 
     # --- worker --------------------------------------------------------------------------------
     async def work(self) -> None:
         try:
             while (utt := await self.queue.get()) is not None:
                 if isinstance(utt, ContextEnd):
-                    await self.send_json({"type": "context.done", "context_id": utt.context_id})
+                    await self.out.json({"type": "context.done", "context_id": utt.context_id})
                     continue
                 # the utterance runs as a task of its own: input.cancel stops it, not the worker
                 task = asyncio.create_task(self.speak(utt))
@@ -480,11 +366,11 @@ class WsSession:
                     async with self.cancel_lock:  # input.cancel answers before anything else
                         continue
                 if isinstance(err := task.exception(), RequestError):
-                    await self.send_error(err, utt)
+                    await self.out.error(err, utt)
                 elif err is not None:
                     raise err
             self.finishing = True
-            await self.send_json({"type": "session.done"})
+            await self.out.json({"type": "session.done"})
             await self.ws.close(code=WSCloseCode.OK)
         except (asyncio.CancelledError, ConnectionError):
             raise
@@ -494,72 +380,10 @@ class WsSession:
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
 
     async def speak(self, utt: Utterance) -> None:
-        st, sse, job = self.st, self.config.stream_format == "sse", utt.job
-        async with StreamRun(st.backend, job, st.metrics, "ws", time.perf_counter(),
-                             speed=utt.speed) as run:
+        def opened(run: StreamRun) -> None:
             self.current_run = run
-            started = False
-            offset = 0
-            waited_s = 0.0
-            while (chunk := await run.next()) is not None:
-                if chunk.is_event:  # continuous text: the stream waits for (or got) its text
-                    event = utt.tag({"type": "text.waiting" if chunk.text_waiting
-                                     else "text.resumed", "frames": offset})
-                    if chunk.text_waited_s is not None:
-                        waited_s += chunk.text_waited_s
-                        event.update(waited_ms=round(chunk.text_waited_s * 1e3),
-                                     total_waited_ms=round(waited_s * 1e3))
-                    await self.send_json(event)
-                    continue
-                if not started:  # with the first audio (or the empty end of a silent one)
-                    started = True
-                    await self._audio_start(utt)
-                if chunk.codes is not None and len(chunk.codes):
-                    codes = chunk.codes  # [n, 16]
-                    async with self.send_lock:
-                        await self.ws.send_str(msgspec.json.encode(utt.tag(
-                            {"type": "codec.frames", "offset": offset, "frames": len(codes),
-                             "shape": list(codes.shape), "dtype": "int64"})).decode())
-                        await self.ws.send_bytes(codes.astype("<i8", copy=False).tobytes())
-                    offset += len(codes)
-                elif chunk.pcm is not None and chunk.pcm.size:
-                    data = to_s16le(chunk.pcm)
-                    if sse:
-                        await self.send_json(delta_event(data))
-                    else:
-                        async with self.send_lock:
-                            await self.ws.send_bytes(data)
-                    offset += chunk.frames
-                run.sent(chunk)
-            done = utt.tag({"type": "audio.done", "usage": run.usage(),
-                            "finish_reason": run.finish_reason()})
-            if job.text_feed is not None:
-                done["text_waited_ms"] = round(waited_s * 1e3)
-            await self.send_json(done)
 
-    async def _audio_start(self, utt: Utterance) -> None:
-        st, job = self.st, utt.job
-        start = utt.tag({"type": "audio.start", "text": job.text,
-                         "sample_rate": st.backend.sample_rate})
-        if job.text_feed is not None:
-            start.update(text=None, text_mode="continuous")
-        if job.stream_codes:
-            start.update(self.codec())
-            start.update(format="codec_frames", dtype="int64")  # dtype of the codes
-        else:
-            start.update(format="pcm_s16le", channels=1)
-        if utt.speed != 1.0:
-            start["speed"] = utt.speed
-        await self.send_json(start)
-        prime = job.clone.prime_codes() if job.stream_codes and job.clone else None
-        if prime is not None:
-            # an ICL voice: the client's decoder decodes these reference frames first and drops
-            # their audio, as the server's Code2Wav does (same left context)
-            async with self.send_lock:
-                await self.ws.send_str(msgspec.json.encode(utt.tag(
-                    {"type": "codec.prime", "frames": len(prime), "shape": list(prime.shape),
-                     "dtype": "int64"})).decode())
-                await self.ws.send_bytes(prime.astype("<i8", copy=False).tobytes())
+        await speak(self.st, self.out, utt, self.config.stream_format == "sse", opened)
 
 
 async def speech_stream(request: web.Request) -> web.WebSocketResponse:
