@@ -51,15 +51,13 @@ def tiny_model(tiny_ckpt):
 
 # ---------------------------------------------------------------- voice agents (integrations)
 def _agents_serve(ckpt: Path, voice_dir: Path):
-    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.orchestrator import PipelineBackend
     from omni_stream.server.app import start_server
     from omni_stream.server.settings import ServerSettings
     from omni_stream.server.testing import serving_in_thread
+    from tests.servers import tiny_settings
 
-    settings = PipelineSettings(model_path=str(ckpt), max_streams=2, max_seq_len=1024,
-                                max_queue=8, queue_timeout_s=60,
-                                schedule=ChunkPolicy(first=1, steady=4))
+    settings = tiny_settings(ckpt, max_seq_len=1024, max_queue=8)
     return serving_in_thread(lambda: start_server(PipelineBackend(settings), "127.0.0.1", 0,
                                                   ServerSettings(voice_dir=str(voice_dir))),
                              timeout=120)

@@ -18,9 +18,9 @@ import soundfile as sf
 from clients.continuous import ContinuousResult, fd_pieces, speak_continuous
 from clients.result import ClientError
 from clients.stream_client import main as client_main
-from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-from omni_stream.scheduling.chunking import ChunkPolicy
+from omni_stream.orchestrator import PipelineBackend
 from omni_stream.server.testing import run_async, serving_in_thread
+from tests.servers import tiny_settings
 from speech_checks import llm_pieces, same_speech
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,9 +35,7 @@ def url(tiny_ckpt):
     """One server for the module, on a background loop (the CLI runs its own loop)."""
     from omni_stream.server.app import start_server
 
-    settings = PipelineSettings(model_path=str(tiny_ckpt), max_streams=2, max_seq_len=512,
-                                max_queue=8, queue_timeout_s=60,
-                                schedule=ChunkPolicy(first=1, steady=4))
+    settings = tiny_settings(tiny_ckpt, max_queue=8)
     with serving_in_thread(lambda: start_server(PipelineBackend(settings), "127.0.0.1", 0),
                            timeout=120) as u:
         yield u

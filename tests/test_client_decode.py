@@ -44,12 +44,10 @@ def pte_manifest(tiny_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.orchestrator import PipelineBackend
+    from tests.servers import tiny_settings
 
-    backend = PipelineBackend(PipelineSettings(
-        model_path=str(tiny_ckpt), max_streams=2, max_seq_len=512, queue_timeout_s=60,
-        schedule=ChunkPolicy(first=1, steady=4)))
+    backend = PipelineBackend(tiny_settings(tiny_ckpt))
     with serving(backend) as url:
         yield url
 

@@ -20,9 +20,9 @@ from omni_stream.engine.sampling import SamplingParams
 from omni_stream.engine.synthesis import Synthesizer
 from omni_stream.models.prompt import PromptRequest
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import run_async, running_server
+from tests.servers import tiny_settings
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,10 +36,7 @@ TEXTS = [
 def _settings(ck, **kw) -> PipelineSettings:
     # queue_timeout_s only bounds a failure: a loaded machine may measure a capacity of one
     # stream, and the streams of a test then take their turns
-    base = dict(model_path=str(ck), max_streams=3, max_seq_len=512, max_queue=8,
-                queue_timeout_s=300, schedule=ChunkPolicy(first=1, steady=4))
-    base.update(kw)
-    return PipelineSettings(**base)
+    return tiny_settings(ck, **{"max_streams": 3, "max_queue": 8, "queue_timeout_s": 300, **kw})
 
 
 def _splits(text: str, rng: random.Random) -> list[str]:

@@ -17,10 +17,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+from omni_stream.orchestrator import PipelineBackend
 from omni_stream.server.testing import run_async, running_server
 from omni_stream.stages.faults import FAULTS_ENV, FaultPlan
-from omni_stream.scheduling.chunking import ChunkPolicy
+from tests.servers import tiny_settings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,9 +56,8 @@ async def _ws_codes(s: aiohttp.ClientSession, url: str, text: str) -> tuple[np.n
 
 def _run(ck, placement: str, engine: str = "torch") -> tuple[list[tuple[np.ndarray, dict | None]], dict]:
     async def main():
-        backend = PipelineBackend(PipelineSettings(
-            model_path=str(ck), max_streams=4, max_seq_len=256, queue_timeout_s=60,
-            schedule=ChunkPolicy(first=1, steady=4), placement=placement, engine=engine))
+        backend = PipelineBackend(tiny_settings(ck, max_streams=4, max_seq_len=256,
+                                                placement=placement, engine=engine))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             out = await asyncio.gather(*[_ws_codes(s, url, t) for t in TEXTS])
             for _ in range(50):  # cancellations of failed streams settle within a frame or two

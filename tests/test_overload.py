@@ -15,9 +15,9 @@ from multidict import CIMultiDict
 import numpy as np
 import pytest
 
-from omni_stream.orchestrator import PipelineBackend, PipelineSettings
+from omni_stream.orchestrator import PipelineBackend
 from omni_stream.server.testing import run_async, running_server
-from omni_stream.scheduling.chunking import ChunkPolicy
+from tests.servers import tiny_settings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,10 +61,8 @@ def test_overload_refuses_fast_and_typed_and_the_running_stream_is_unharmed(tiny
     before = _our_segments()
 
     async def main():
-        backend = PipelineBackend(PipelineSettings(
-            model_path=str(tiny_ckpt), max_streams=1, max_queue=1,
-            queue_timeout_s=QUEUE_TIMEOUT_S, max_seq_len=512,
-            schedule=ChunkPolicy(first=1, steady=4)))
+        backend = PipelineBackend(tiny_settings(tiny_ckpt, max_streams=1, max_queue=1,
+                                                queue_timeout_s=QUEUE_TIMEOUT_S))
         async with running_server(backend) as url, aiohttp.ClientSession() as s:
             async with s.post(url + "/v1/audio/speech", json=LONG) as r:
                 assert r.status == 200

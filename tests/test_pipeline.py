@@ -16,6 +16,7 @@ import pytest
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
 from omni_stream.server.testing import running_server, run_async
 from omni_stream.scheduling.chunking import ChunkPolicy
+from tests.servers import tiny_settings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,10 +28,7 @@ def _shm_segments(prefix: str = "omni-stream-") -> set[str]:
 
 
 def _settings(ck, **kw) -> PipelineSettings:
-    base = dict(model_path=str(ck), max_streams=4, max_seq_len=512, max_queue=16,
-                queue_timeout_s=60, schedule=ChunkPolicy(first=1, steady=4))
-    base.update(kw)
-    return PipelineSettings(**base)
+    return tiny_settings(ck, **{"max_streams": 4, "max_queue": 16, **kw})
 
 
 def _synth_reference(ck, text, voice, seed, max_frames):

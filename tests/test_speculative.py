@@ -159,20 +159,19 @@ def test_a_speculative_server_streams_the_plain_servers_audio(tiny_ckpt):
     """End to end on a real pipeline: a seeded request to a server whose code predictor drafts
     and verifies gives the offline (plain) synthesis' audio, within 1 LSB."""
     from omni_stream.engine.synthesis import Synthesizer
-    from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-    from omni_stream.scheduling.chunking import ChunkPolicy
+    from omni_stream.orchestrator import PipelineBackend
     from omni_stream.server.testing import serving_in_thread
     from omni_stream.server.app import start_server
     import json
     import urllib.request
 
+    from tests.servers import tiny_settings
+
     text, frames = "Drafted and verified, frame by frame.", 20
     ref = Synthesizer.from_path(tiny_ckpt).synthesize(
         PromptRequest(text=text, language="english", speaker="ryan"), SamplingParams(), seed=321,
         max_frames=frames)
-    backend = PipelineBackend(PipelineSettings(
-        model_path=str(tiny_ckpt), max_streams=2, max_seq_len=512, queue_timeout_s=60,
-        schedule=ChunkPolicy(first=1, steady=4), speculative_cp=(1, 3)))
+    backend = PipelineBackend(tiny_settings(tiny_ckpt, speculative_cp=(1, 3)))
     body = {"input": text, "voice": "ryan", "language": "english", "response_format": "pcm",
             "seed": 321, "max_new_tokens": frames}
     with serving_in_thread(lambda: start_server(backend, "127.0.0.1", 0), timeout=300) as url:

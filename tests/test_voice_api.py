@@ -13,10 +13,10 @@ import pytest
 import soundfile as sf
 
 from omni_stream.orchestrator import PipelineBackend, PipelineSettings
-from omni_stream.scheduling.chunking import ChunkPolicy
 from omni_stream.server.fake_backend import FakeBackend
 from omni_stream.server.settings import ServerSettings
 from omni_stream.server.testing import run_async, running_server
+from tests.servers import tiny_settings
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,8 +36,7 @@ def _wav(seconds: float = 2.5, sr: int = 24000, seed: int = 0, amp: float = 0.3)
 
 
 def _settings(ck) -> PipelineSettings:
-    return PipelineSettings(model_path=str(ck), max_streams=2, max_seq_len=512, max_queue=8,
-                            queue_timeout_s=60, schedule=ChunkPolicy(first=1, steady=4))
+    return tiny_settings(ck, max_queue=8)
 
 
 async def _upload(s, url, name, audio: bytes | None, **fields):

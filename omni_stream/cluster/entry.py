@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from typing import Any
 
 from omni_stream.errors import RequestError
