@@ -52,7 +52,7 @@ from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
 from benchmarks.tts.continuous_bench import llm_pieces  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import pct, server  # noqa: E402
+from benchmarks.tts.harness import pct, server  # noqa: E402
 from clients.playback import simulate_playback  # noqa: E402
 from omni_stream.integrations.pipecat import OmniStreamTTSService  # noqa: E402
 

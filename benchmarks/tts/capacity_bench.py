@@ -55,8 +55,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import (SAMPLES_PER_FRAME, TEXTS, first_voice,  # noqa: E402
-                                                 pct, server)
+from benchmarks.tts.harness import (SAMPLES_PER_FRAME, TEXTS, first_voice,  # noqa: E402
+                                    pct, server)
 from clients.stream_client import ClientError, stream_speech  # noqa: E402
 
 REFUSAL = (429, 503)

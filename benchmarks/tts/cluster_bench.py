@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import free_port, pct  # noqa: E402
+from benchmarks.tts.harness import free_port, pct  # noqa: E402
 from clients.stream_client import ClientError, stream_speech  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest."

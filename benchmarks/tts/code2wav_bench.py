@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from omni_stream.models.code2wav import (DEFAULT_GEMM_MIN_CHANNELS, Code2Wav, Co
 from omni_stream.scheduling.fingerprint import fingerprint_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for benchmarks.tts.machine
+from benchmarks.tts.harness import median_ms  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 log = logging.getLogger("code2wav_bench")
@@ -39,16 +39,6 @@ FRAME_MS = 80.0
 CONTEXT = 25
 
 
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (allocator, oneDNN primitive caches)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def _row(mode: str, dtype: str, batch: int, chunk: int, call_ms: float) -> dict:
@@ -77,7 +67,7 @@ def run(repeats: int, chunks: list[int], batches: list[int], window_batches: lis
                 stream.decode(slots, codes[:batch, :, :CONTEXT])  # a stream already under way
                 for chunk in chunks:
                     new = codes[:batch, :, :chunk]
-                    ms = _median_ms(lambda: stream.decode(slots, new), repeats)
+                    ms = median_ms(lambda: stream.decode(slots, new), repeats, warmup=1)
                     rows.append(_row("stream", dname, batch, chunk, ms))
                     log.info("%s", rows[-1])
             for batch in window_batches:
@@ -91,7 +81,7 @@ def run(repeats: int, chunks: list[int], batches: list[int], window_batches: lis
                     return wav[:, CONTEXT * cfg.samples_per_frame:]
 
                 for chunk in chunks:
-                    ms = _median_ms(lambda: window(chunk), repeats)
+                    ms = median_ms(lambda: window(chunk), repeats, warmup=1)
                     rows.append(_row(f"window{CONTEXT}", dname, batch, chunk, ms))
                     log.info("%s", rows[-1])
     return rows

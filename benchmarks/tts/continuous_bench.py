@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import first_voice, pct, server  # noqa: E402
+from benchmarks.tts.harness import first_voice, pct, server  # noqa: E402
 from clients.continuous import ContinuousResult, speak_continuous  # noqa: E402
 from clients.result import ClientError  # noqa: E402
 from omni_stream.server.ws import split_sentences  # noqa: E402

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tts.frame_bench import median_ms  # noqa: E402
+from benchmarks.tts.harness import markdown_table, median_ms  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
@@ -257,7 +257,7 @@ def markdown(res: dict) -> str:
     head = (["path", "MB/frame"] + [f"frame ms b1 {t}t (GB/s)" for t in threads]
             + [f"frame ms b4 {t}t" for t in threads]
             + ["talker SNR", "CP SNR", "code-0", "CP agree (worst)", "audio SNR"])
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in res["frontier"]:
         def pair(key, fmt=_db):
             a, b = r.get(key), r.get(key + "_outliers")
@@ -277,7 +277,8 @@ def markdown(res: dict) -> str:
                       pair("audio_snr_db")]
         else:
             cells += [""] * 5
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines.append(markdown_table(head, rows))
     yard = next((r for r in res["fidelity"] if r["path"] == "torch-bf16"), None)
     if yard:
         lines += ["", f"Yardstick (torch bf16, rounding alone): talker {_db(yard['logits_snr_db'])} dB, "

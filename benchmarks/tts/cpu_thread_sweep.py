@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import level, server, summarize  # noqa: E402
+from benchmarks.tts.harness import level_summary, server, stream_level  # noqa: E402
 from clients.stream_client import ClientError, stream_speech  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
@@ -136,7 +136,7 @@ def run_cell(model: str, setting: Setting, c: int, args: argparse.Namespace,
                     asyncio.run(stream_speech(url, "Warm up.", voice, args.language, seed=0,
                                               extra={"max_new_tokens": 4}, timeout=args.timeout))
                 t0 = time.monotonic()
-                rows = asyncio.run(level(url, c, args, voice))
+                rows = asyncio.run(stream_level(url, c, args, voice))
                 wall = time.monotonic() - t0
         except (ClientError, OSError) as e:
             tail = log_path.read_text()[-2000:] if log_path.exists() else ""
@@ -148,7 +148,7 @@ def run_cell(model: str, setting: Setting, c: int, args: argparse.Namespace,
                 else:
                     os.environ[k] = v
         rep = build_report(load_dumps(d))
-    summ = summarize(c, rows)
+    summ = level_summary(c, rows)
     return dict(summ, wall_s=round(wall, 2), phases=_phases(rep),
                 critical_ratio=rep.get("critical", {}).get("ratio"), frames=rep.get("frames"))
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the untimed 4-frame request after each server start")
     ap.add_argument("--out", default=str(RESULTS / "cpu_thread_sweep.json"))
     args = ap.parse_args(argv)
-    args.greedy, args.served_model = False, None  # what stream_latency_bench.level reads
+    args.greedy, args.served_model = False, None  # what harness.stream_level reads
     cores = os.cpu_count() or 1
     try:
         grid = parse_grid(args.grid, cores)

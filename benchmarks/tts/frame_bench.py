@@ -17,28 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import median_ms  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
+
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
-
-
-def median_ms(fn, n: int) -> float:
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
 
 
 def copy_bandwidth_gbs(threads: int, mib: int = 512) -> float:

@@ -25,13 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import TEXTS, first_voice, pct, server  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import TEXTS, first_voice, server  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> int:

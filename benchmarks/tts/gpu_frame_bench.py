@@ -31,19 +31,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import pct  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
 FRAME_MS = 80.0
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 TEXT = "Hello world, this is a streaming speech benchmark sentence with a few more words in it."
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def bench_mode(model, graphs: bool, streams: list[int], args: argparse.Namespace) -> list[dict]:
@@ -91,7 +85,7 @@ def bench_mode(model, graphs: bool, streams: list[int], args: argparse.Namespace
         med = statistics.median(ts)
         rows.append(dict(mode="graphs" if graphs else "eager", streams=s,
                          bucket=runner.bucket(s) if graphs else s,
-                         ms_per_step_p50=round(med, 3), ms_per_step_p90=round(_pct(ts, 0.9), 3),
+                         ms_per_step_p50=round(med, 3), ms_per_step_p90=round(pct(ts, 0.9), 3),
                          ms_per_step_mean=round(statistics.fmean(ts), 3),
                          ms_per_stream_frame=round(med / s, 4),
                          x_realtime=round(FRAME_MS / med, 2),

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import TEXTS, pct, server  # noqa: E402
+from benchmarks.tts.harness import TEXTS, pct, server  # noqa: E402
 from clients.playback import simulate_playback  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
 

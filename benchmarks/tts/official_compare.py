@@ -1,6 +1,6 @@
 """Whole utterances through the official qwen-tts and through omni-stream, side by side.
 
-The same fixed texts (the first ``--texts`` of ``stream_latency_bench.TEXTS``), the same
+The same fixed texts (the first ``--texts`` of ``harness.TEXTS``), the same
 checkpoint, dtype, thread count and ``max_new_tokens``, sampling on with the official defaults
 (temperature 0.9, top-k 50, repetition penalty 1.05, for the talker and the code predictor), in
 ONE run, one side after the other (never overlapping):
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import TEXTS  # noqa: E402
+from benchmarks.tts.harness import TEXTS  # noqa: E402
 from omni_stream.scheduling.fingerprint import fingerprint_info  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--frames", type=int, default=48, help="max_new_tokens on both sides")
-    ap.add_argument("--texts", type=int, default=3, help="how many of stream_latency_bench.TEXTS")
+    ap.add_argument("--texts", type=int, default=3, help="how many of harness.TEXTS")
     ap.add_argument("--chunk", type=int, default=4, help="frames per Code2WavStream call")
     ap.add_argument("--engine", default="torch", choices=("torch", "native"),
                     help="omni-stream's decode-step engine (native: the CPU runtime)")

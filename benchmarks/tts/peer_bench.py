@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import markdown_table
 from benchmarks.tts.machine import machine_info, print_machine
 from benchmarks.tts.peers.setup import PEERS, ensure_venv, peer_root
 
@@ -271,7 +272,7 @@ def table(doc: dict) -> str:
     fid = {(r["impl"], r["precision"]): r for r in doc["fidelity"]}
     head = ["precision", "threads", "impl", "talker", "code pred.", "frame (min-max)", "n", "floor",
             "codec/frame", "fidelity vs fp32"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in sorted(doc["rows"], key=lambda r: (PRECISIONS.index(r["precision"]), r["threads"],
                                                  ["omni-stream", "vox", "qwentts"].index(r["impl"]))):
         f = fid.get((r["impl"], r["precision"]), {})
@@ -294,8 +295,8 @@ def table(doc: dict) -> str:
             cells = [r["precision"], str(r["threads"]), r["impl"], _f(r.get("talker_ms")), _f(r.get("cp_ms")),
                      f"**{_f(r['frame_ms'])}** ({mm[0]}-{mm[1]})", str(r["n"]), _f(floor),
                      _f(r.get("codec_ms")), fs]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(head, rows)
 
 
 def markdown(doc: dict) -> str:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import pct, server  # noqa: E402
+from benchmarks.tts.harness import pct, server  # noqa: E402
 from clients.playback import simulate_playback  # noqa: E402
 
 SPF = 1920

@@ -17,133 +17,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shlex
-import socket
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import first_voice, level_summary, server, stream_level  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from clients.stream_client import ClientError, stream_speech  # noqa: E402
-
-TEXTS = [
-    "Hello there! This is a short sentence.",
-    "The quick brown fox jumps over the lazy dog, and then it runs into the forest.",
-    "Streaming speech means the first words play while the rest is still being made.",
-    "Numbers like 42 and 2026, names like OpenAI, and punctuation: all read aloud.",
-    "Good morning. Today the weather is sunny with a light breeze from the west.",
-    "A ten word sentence is what a voice assistant usually answers.",
-    "Please hold while I look that up for you in the catalogue.",
-    "Thank you for calling; your request has been received and will be processed.",
-]
-SAMPLES_PER_FRAME = 1920
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_voice(url: str) -> str | None:
-    """The server's first voice (None: the model has none), the benchmarks' default voice."""
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/v1/audio/voices", timeout=10) as r:
-        voices = [v["name"] if isinstance(v, dict) else v for v in json.load(r).get("voices", [])]
-    return voices[0] if voices else None
-
-
-@contextlib.contextmanager
-def server(model: str, extra: list[str], log_path: Path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "omni_stream.cli", "serve", "--model", model, "--port", str(port),
-           *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if p.poll() is not None:
-                raise SystemExit(f"server exited with {p.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise SystemExit(f"server did not come up; see {log_path}")
-        yield url
-    finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-async def one(url: str, text: str, voice: str | None, i: int, args, start_at: float) -> dict:
-    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-    extra = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
-    if args.greedy:
-        extra["greedy"] = True
-    res = await stream_speech(url, text, voice, args.language, seed=i, model=args.served_model,
-                              extra=extra, timeout=args.timeout)
-    if len(res.pcm) == 0 or len(res.pcm) % SAMPLES_PER_FRAME:
-        raise ClientError(f"stream {i} returned {len(res.pcm)} samples: not a whole number of "
-                          f"{SAMPLES_PER_FRAME}-sample frames")
-    pb = res.playback(args.prebuffer)
-    t0 = res.arrivals[0] - res.ttfa_s
-    return dict(ttfa_ms=res.ttfa_s * 1e3, rtf=res.rtf, audio_s=res.audio_s,
-                underruns=pb.underruns, underrun_s=pb.underrun_s, max_gap_ms=pb.max_gap_s * 1e3,
-                chunks=len(res.arrivals), arrivals_s=[a - t0 for a in res.arrivals],
-                durations_s=res.durations, text_words=len(text.split()))
-
-
-async def level(url: str, c: int, args, voice: str | None, progress=None) -> list[dict]:
-    n = max(c, args.requests_per_level)
-    sem = asyncio.Semaphore(c)
-    t0 = time.monotonic()
-
-    async def run(i: int):
-        async with sem:
-            r = await one(url, TEXTS[i % len(TEXTS)], voice, i, args, t0)
-            if progress is not None:
-                progress()
-            return r
-
-    return await asyncio.gather(*[run(i) for i in range(n)])
-
-
-def summarize(c: int, rows: list[dict]) -> dict:
-    t = [r["ttfa_ms"] for r in rows]
-    return dict(concurrency=c, streams=len(rows), ttfa_ms_p50=pct(t, 0.5), ttfa_ms_p95=pct(t, 0.95),
-                ttfa_ms_p99=pct(t, 0.99), rtf_mean=statistics.fmean(r["rtf"] for r in rows),
-                rtf_p50=pct([r["rtf"] for r in rows], 0.5),
-                max_gap_ms=max(r["max_gap_ms"] for r in rows),
-                underruns=sum(r["underruns"] for r in rows),
-                underrun_s=sum(r["underrun_s"] for r in rows),
-                realtime_streams=sum(1 for r in rows if r["underruns"] == 0))
+from clients.stream_client import ClientError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                 for c in levels:
                     n = max(c, args.requests_per_level)
                     task = prog.add_task(f"concurrency {c}", total=n)
-                    rows = asyncio.run(level(url, c, args, voice, lambda: prog.advance(task)))
+                    rows = asyncio.run(stream_level(url, c, args, voice, lambda: prog.advance(task)))
                     results[str(c)] = rows
-                    summaries.append(summarize(c, rows))
+                    summaries.append(level_summary(c, rows))
     except ClientError as e:
         print(f"benchmark failed: {e}", file=sys.stderr)
         return 1

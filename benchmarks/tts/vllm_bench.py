@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import pct  # noqa: E402
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "tts" / "results"
@@ -51,11 +52,6 @@ CPU = {  # name: (engine, weight path, dtype)
 }
 CUDA = {"torch-bf16-cuda": ("torch", None, "bfloat16"), "vllm-bf16-cuda": ("vllm", None, "bfloat16")}
 BATCH = (1, 2, 3, 4)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def candidate(model: str, engine: str, weight_path: str | None, dtype: str, device: str,
@@ -141,8 +137,8 @@ def candidate(model: str, engine: str, weight_path: str | None, dtype: str, devi
     budget = 80.0 * 0.85
     rt = max([b for b in BATCH if frame_ms[b] + b * c2w_steady <= budget], default=0)
     return {"start_s": start_s, "frame_ms": frame_ms, "codec_ms_per_frame": c2w_steady,
-            "codec_first_ms": c2w_first, "ttfa_ms_p50": _pct(ttfa, 0.5),
-            "ttfa_ms_p95": _pct(ttfa, 0.95), "ttfa_n": len(ttfa),
+            "codec_first_ms": c2w_first, "ttfa_ms_p50": pct(ttfa, 0.5),
+            "ttfa_ms_p95": pct(ttfa, 0.95), "ttfa_n": len(ttfa),
             "rtf": (frame_ms[1] + c2w_steady) / 80.0, "rt_streams": rt, "codes": codes,
             "prompt_len": int(prompt.length), "threads": threads}
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tts.machine import machine_info, print_machine  # noqa: E402
-from benchmarks.tts.stream_latency_bench import server  # noqa: E402
+from benchmarks.tts.harness import server  # noqa: E402
 from clients.stream_client import stream_speech  # noqa: E402
 
 STATS = re.compile(r"'graphs_compiled': (\d+), 'graphs_from_cache': (\d+)")
