@@ -67,7 +67,7 @@ def peers_ms_vs_bits(plt, doc: dict, plots: Path) -> Path | None:
     rows = [r for r in doc["rows"] if r.get("n") and r.get("bits_per_weight")]
     if not rows:
         return None
-    from benchmarks.tts.peer_bench import floor_bandwidth
+    from benchmarks.tts.peers.report import floor_bandwidth
 
     bw = floor_bandwidth(doc)
     fig, ax = plt.subplots(figsize=(8, 5))
