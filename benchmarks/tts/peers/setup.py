@@ -39,7 +39,7 @@ PEERS = {
 
 
 def peer_root() -> Path:
-    return Path(os.environ.get("OMNI_STREAM_CACHE", Path.home() / ".cache" / "omni-stream")) / "peers"
+    return Path(os.environ.get("OMNI_STREAM_CACHE_DIR", Path.home() / ".cache" / "omni-stream")) / "peers"
 
 
 def venv_dir(peer: Peer) -> Path:
