@@ -98,13 +98,16 @@ class TorchDecoder(FrameDecoder):
         from omni_stream.export.manifest import codec_identity
         from omni_stream.checkpoints.io import CheckpointError, load_codec
         from omni_stream.models.code2wav import Code2WavStream
+        from omni_stream.stages.codec_kernels import stage_kernels
 
         if dtype not in self.DTYPES:
             raise DecoderError(f"unknown decoder dtype {dtype!r}: use auto, float32 or bfloat16")
         if threads:
             torch.set_num_threads(threads)
         try:
-            self.model = load_codec(model_dir, dtype=torch.float32).eval()
+            # the codec stage's kernels in fp32 too (packed GEMMs whose rounding does not
+            # follow the chunking): the exact decode is then the fp32 server's, bit for bit
+            self.model = stage_kernels(load_codec(model_dir, dtype=torch.float32).eval())
             self.identity = codec_identity(model_dir)
         except CheckpointError as e:
             raise DecoderError(f"--decoder-backend torch: {e}: pass --codec-model with the "

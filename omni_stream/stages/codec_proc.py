@@ -38,11 +38,11 @@ def run_codec_stage(spec, ctrl: ControlChannel, frames_handle, audio_handle) -> 
         if model.packed:
             same = stage.check_invariance()
             log.log(logging.INFO if same else logging.WARNING,
-                    "bf16 decode at oneDNN level %s: %s", level,
+                    "%s decode at oneDNN level %s: %s", spec.dtype, level,
                     "the same bits at any chunk plan and batch (checked)" if same else
                     "NOT the same bits at any chunk plan (a stream's audio follows its chunking "
-                    "within bf16 rounding); --codec-dtype float32 for a decode that does not "
-                    "depend on the ISA")
+                    "within rounding: a seeded request may differ in its last bits from one "
+                    "run to the next)")
     if spec.lends_cores:  # take the lent cores back from the talker for each decode
         from omni_stream.engine.cpu.pool import CoreLease
         from omni_stream.transport.ring import LEASE_OFF
