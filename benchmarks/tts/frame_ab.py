@@ -1,0 +1,111 @@
+"""One frame step of two source trees side by side: the cost of a refactor, measured.
+
+Checks out ``--before`` (a git revision) in a temporary worktree and times ``FrameEngine.step``
+(talker + code predictor, one frame) in that tree and in this one, alternating fresh processes
+round by round so drift hits both alike: the same checkpoint, engine, weight path, threads,
+batch 1, ``--frames`` steps after 5 warm-up steps per process. Prints the per-round medians and
+the median of them per side with n, the machine's read bandwidth beside them, and writes JSON.
+
+    python benchmarks/tts/frame_ab.py --model CK --before facf099 [--engine native]
+        [--weight-path mixed] [--threads 1] [--rounds 6] [--frames 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# run inside each tree (its omni_stream first on the path): one JSON line
+WORKER = r"""
+import json, statistics, sys, time
+import torch
+engine, weight_path, threads, frames, ck = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(threads)
+import omni_stream
+from omni_stream.config import SamplingParams
+from omni_stream.engine.frame import EngineShape, FrameEngine
+from omni_stream.engine.loading import attach_engine, load_for_engine
+from omni_stream.models.prompt import PromptBuilder, PromptRequest
+model = load_for_engine(ck, torch.float32, "cpu", weight_path, engine)
+eng = FrameEngine(model.weights.talker, EngineShape(max_slots=1, max_seq_len=512))
+attach_engine(eng, engine, weight_path, threads, model_path=ck)
+p = PromptBuilder(model.config, model.weights.talker, model.tokenizer).build(
+    PromptRequest(text="Hello world, this is a frame cost check.", language="english", speaker="ryan"))
+ts = []
+with torch.inference_mode():
+    eng.prefill(0, p.embeds, p.trailing, SamplingParams.greedy(), 0)
+    for i in range(frames + 5):
+        t0 = time.perf_counter(); eng.step(1); dt = time.perf_counter() - t0
+        if i >= 5:
+            ts.append(dt)
+print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__}))
+"""
+
+
+def run_side(tree: Path, a: argparse.Namespace) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, "-c", WORKER, a.engine, a.weight_path, str(a.threads),
+                          str(a.frames), a.model], cwd=tree, env=env, capture_output=True,
+                         text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not got["src"].startswith(str(tree)):
+        raise RuntimeError(f"{tree}: imported omni_stream from {got['src']}")
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--before", required=True, help="a git revision of this repository")
+    ap.add_argument("--engine", default="native")
+    ap.add_argument("--weight-path", default="mixed")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--frames", type=int, default=40)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/tts/results/frame_ab.json"))
+    a = ap.parse_args()
+    from benchmarks.tts.machine import machine_info, print_machine
+
+    machine = machine_info()
+    print_machine(machine)
+    with tempfile.TemporaryDirectory() as tmp:
+        before = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before),
+                        a.before], check=True)
+        try:
+            rows = []
+            for r in range(a.rounds):
+                for side, tree in (("before", before), ("after", ROOT)):
+                    got = run_side(tree, a)
+                    rows.append({"round": r + 1, "side": side, "ms": got["ms"], "n": got["n"]})
+                    print(f"round {r + 1}  {side:6s} {got['ms']:7.2f} ms (n={got['n']})")
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)],
+                           check=False)
+    med = {s: statistics.median(x["ms"] for x in rows if x["side"] == s) for s in ("before", "after")}
+    print(f"\nmedian of {a.rounds} rounds: before ({a.before}) {med['before']:.2f} ms, after (HEAD) "
+          f"{med['after']:.2f} ms, ratio {med['after'] / med['before']:.3f}; {machine['label']}, "
+          f"1 thread {machine['bandwidth_gbs_1_thread']} GB/s")
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    Path(a.out).write_text(json.dumps({
+        "before": a.before, "after": rev, "engine": a.engine, "weight_path": a.weight_path,
+        "threads": a.threads, "frames_per_round": a.frames, "rounds": rows,
+        "median_ms": med, "ratio": med["after"] / med["before"], "machine": machine}, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
