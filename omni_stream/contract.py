@@ -83,6 +83,10 @@ class SpeechJob:
     # continuous text (WebSocket text_mode "continuous"): the text arrives while the utterance
     # is spoken; ``text`` is then empty and the backend reads the feed until it closes
     text_feed: "TextFeed | None" = None
+    # ``Backend.validate`` accepted this job's options (the server's ``resolve_options`` sets
+    # it, and every job it derives by replacing the text keeps it): ``stream`` checks only jobs
+    # without it, so a request is validated once. A job built any other way is checked there.
+    validated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

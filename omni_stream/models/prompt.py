@@ -18,7 +18,7 @@ codec pad, then the codec track over tts_pad.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,11 +47,18 @@ class PromptRequest:
     # continuous text still arriving: the trailing rows stop at the last id given (no tts_eos;
     # the stream appends the rest and tts_eos when the text closes). Needs stream_text.
     text_open: bool = False
+    # the rest of the prompt's token ids where the caller tokenized them (``tokenize_prompt``:
+    # the server does it once per request and the talker stage builds from the ids): the role
+    # ``<|im_start|> assistant \n`` as the text's template tokenized it (a text that starts
+    # with a line break merges with the role's), the instruction turn, the ICL transcript
+    role_ids: tuple[int, ...] | None = None
+    instruct_ids: tuple[int, ...] | None = None
+    ref_ids: tuple[int, ...] | None = None
 
     @property
     def x_vector(self) -> torch.Tensor | None:
         if self.clone is not None:
-            return torch.from_numpy(self.clone.x_vector)
+            return torch.tensor(self.clone.x_vector)  # a copy: wire arrays are read-only
         return self.speaker_embedding
 
 
@@ -91,6 +98,31 @@ def speech_ids(tok: TextTokenizer, text: str) -> list[int]:
     return tok.encode(assistant_text(text))[3:-5]
 
 
+def uses_instructions(cfg: ModelConfig, req: PromptRequest) -> bool:
+    """The prompt has an instruction turn (a model that takes instructions was given some)."""
+    return bool(req.instructions and req.instructions.strip() and cfg.supports_instructions)
+
+
+def tokenize_prompt(cfg: ModelConfig, tok: TextTokenizer, req: PromptRequest) -> PromptRequest:
+    """``req`` with every token id its prompt needs (``text_ids``, ``role_ids``, and
+    ``instruct_ids`` / ``ref_ids`` where the prompt has them); ids the caller already gave are
+    kept, so nothing is tokenized twice. The one place a request's text is tokenized."""
+    text_ids, role = req.text_ids, req.role_ids
+    if text_ids is None:
+        ids = tok.encode(assistant_text(req.text))
+        text_ids, role = tuple(ids[3:-5]), (tuple(ids[:3]) if role is None else role)
+    elif role is None:  # ids made elsewhere (continuous text): the role of the bare template
+        role = tuple(tok.encode(assistant_text(""))[:3])
+    instruct = req.instruct_ids
+    if instruct is None and uses_instructions(cfg, req):
+        instruct = tuple(tok.encode(instruct_text(req.instructions)))
+    ref = req.ref_ids
+    if ref is None and req.clone is not None and req.clone.icl:
+        ref = tuple(ref_ids(tok, req.clone.ref_text))
+    return replace(req, text_ids=tuple(text_ids), role_ids=role, instruct_ids=instruct,
+                   ref_ids=ref)
+
+
 def language_id(cfg: ModelConfig, req: PromptRequest) -> int | None:
     """The codec prefix's language token (None: auto, no language slot). A speaker with a
     dialect speaks it when the language is Chinese or auto. PromptError on an unknown one."""
@@ -114,7 +146,8 @@ def prompt_length(cfg: ModelConfig, tok: TextTokenizer, req: PromptRequest,
     """Positions :meth:`PromptBuilder.build` gives ``req``'s prompt (``Prompt.length``), counted
     from the layout above without building embeddings: what a stream's KV and frame room are
     priced by before it is sent to the talker. ``text_tokens``: the count of the text's ids
-    where the caller has it (it is then not tokenized again)."""
+    where the caller has it (it is then not tokenized again). Ids ``req`` carries
+    (``tokenize_prompt``) are counted, not made again."""
     def text() -> int:
         if text_tokens is not None:
             return text_tokens
@@ -123,15 +156,17 @@ def prompt_length(cfg: ModelConfig, tok: TextTokenizer, req: PromptRequest,
     speaker = req.speaker is not None or req.x_vector is not None
     codec = (3 if language_id(cfg, req) is None else 4) + speaker + 2  # prefix, speaker, pad bos
     n = 3 + codec - 1  # role, then the head (the codec track but its bos)
-    if req.instructions and req.instructions.strip() and cfg.supports_instructions:
-        n += len(tok.encode(instruct_text(req.instructions)))
+    if uses_instructions(cfg, req):
+        n += len(req.instruct_ids if req.instruct_ids is not None
+                 else tok.encode(instruct_text(req.instructions)))
     c = req.clone
     if c is not None and c.icl:
         frames = 1 + len(c.ref_codes)  # codec bos + the reference frames
         if req.stream_text:  # the text track runs alongside (its rest trails into the decode)
             return n + frames
         eos = 0 if req.text_open else 1
-        return n + len(ref_ids(tok, c.ref_text)) + text() + eos + frames
+        ref = req.ref_ids if req.ref_ids is not None else ref_ids(tok, c.ref_text)
+        return n + len(ref) + text() + eos + frames
     if req.stream_text:
         return n + 1  # the first text token over codec bos
     return n + text() + 2  # the text, tts_eos, then tts_pad over codec bos
@@ -145,13 +180,16 @@ class PromptBuilder:
         self.speakers = sorted(cfg.talker.speakers)
 
     def validate(self, req: PromptRequest) -> None:
-        if req.text_ids is not None:
-            vocab = self.cfg.talker.text_vocab_size
-            if not req.text_ids:
-                raise PromptError("no text tokens: send at least one word")
-            if min(req.text_ids) < 0 or max(req.text_ids) >= vocab:
-                raise PromptError(f"text token ids must lie in [0, {vocab})")
-        elif not req.text or not req.text.strip():
+        vocab = self.cfg.talker.text_vocab_size
+        if req.text_ids is not None and not req.text_ids:
+            raise PromptError("no text tokens: send at least one word")
+        for name, ids in (("text", req.text_ids), ("role", req.role_ids),
+                          ("instruction", req.instruct_ids), ("reference text", req.ref_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise PromptError(f"{name} token ids must lie in [0, {vocab})")
+        if req.role_ids is not None and len(req.role_ids) != 3:
+            raise PromptError(f"the role takes 3 token ids, got {len(req.role_ids)}")
+        if req.text_ids is None and (not req.text or not req.text.strip()):
             raise PromptError("input text is empty: send at least one word")
         language_id(self.cfg, req)
         v = self.cfg.variant
@@ -207,8 +245,8 @@ class PromptBuilder:
         lang_id = language_id(self.cfg, req)
         speaker = req.speaker.lower() if req.speaker else None
 
-        ids = self.tok.encode(assistant_text(req.text if req.text_ids is None else ""))
-        text_ids = ids[3:-5] if req.text_ids is None else list(req.text_ids)
+        req = tokenize_prompt(self.cfg, self.tok, req)  # ids the request does not carry yet
+        text_ids = list(req.text_ids)
         if not text_ids:
             raise PromptError("input text tokenizes to nothing: send at least one word")
 
@@ -231,12 +269,12 @@ class PromptBuilder:
         codec_parts.append(cemb([sp.codec_pad, sp.codec_bos]))
         codec = torch.cat(codec_parts)  # [n, C]
         n = codec.shape[0]
-        role = temb(ids[:3])
+        role = temb(list(req.role_ids))
         head = torch.cat((tts_pad.expand(n - 2, -1), tts_bos)) + codec[:-1]
         parts = []
         instruct_ids = None
-        if req.instructions and req.instructions.strip() and self.cfg.supports_instructions:
-            instruct_ids = self.tok.encode(instruct_text(req.instructions))
+        if uses_instructions(self.cfg, req):
+            instruct_ids = list(req.instruct_ids)
             parts.append(temb(instruct_ids))
         parts += [role, head]
         if req.clone is not None and req.clone.icl:
@@ -260,9 +298,9 @@ class PromptBuilder:
         assert clone is not None and clone.ref_codes is not None and clone.ref_text
         sp = self.cfg.talker.special
         end = tts_eos[:0] if req.text_open else tts_eos
-        text = torch.cat((temb(ref_ids(self.tok, clone.ref_text) + text_ids), end))  # [Lt, C]
+        text = torch.cat((temb(list(req.ref_ids) + text_ids), end))  # [Lt, C]
         dev = text.device
-        codes = torch.as_tensor(clone.ref_codes, dtype=torch.long, device=dev)  # [F, G]
+        codes = torch.tensor(clone.ref_codes, dtype=torch.long, device=dev)  # [F, G] (a copy)
         t = self.talker
         tables = [t.model.codec_embedding, *t.code_predictor.model.codec_embedding]
         frames = torch.stack([tab(codes[:, i]) for i, tab in enumerate(tables)], dim=1).sum(1)

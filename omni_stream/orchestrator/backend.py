@@ -33,7 +33,8 @@ from typing import AsyncGenerator
 from omni_stream.checkpoints.io import read_config
 from omni_stream.config import ModelConfig, SamplingParams
 from omni_stream.contract import AudioChunk, BackendError, SpeechJob
-from omni_stream.models.prompt import PromptRequest, prompt_length, speech_ids
+from omni_stream.models.prompt import (PromptRequest, prompt_length, ref_ids, speech_ids,
+                                       tokenize_prompt)
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.observability import stepstats
 from omni_stream.orchestrator.cost_lifecycle import CostLifecycle
@@ -52,6 +53,22 @@ from omni_stream.transport import (AddStream, AppendText, CancelStream, ChannelC
 log = logging.getLogger(__name__)
 
 PROBE_STREAM_IDS = 1 << 40  # the cost probes' stream ids (orchestrator.costs)
+
+
+def prompt_spec(job: SpeechJob, req: PromptRequest, instructions: str | None, *,
+                continuous: bool) -> PromptSpec:
+    """What the talker stage builds ``job``'s prompt from: its options and the token ids of
+    ``req`` (``tokenize_prompt``), so the stage tokenizes nothing."""
+    def listed(ids: tuple[int, ...] | None) -> list[int] | None:
+        return None if ids is None else list(ids)
+
+    return PromptSpec(text=job.text, language=job.language, speaker=job.voice,
+                      instructions=instructions,
+                      stream_text=job.clone is not None,  # the official clone path streams text
+                      clone=CloneSpec.of(job.clone) if job.clone is not None else None,
+                      text_ids=listed(req.text_ids), continuous=continuous,
+                      role_ids=listed(req.role_ids), instruct_ids=listed(req.instruct_ids),
+                      ref_ids=listed(req.ref_ids))
 
 
 class _Stream:
@@ -116,12 +133,19 @@ class PipelineBackend(CostLifecycle):
         """Tokens of the text to speak (what the default frame cap follows)."""
         return len(speech_ids(self.tokenizer, job.text))
 
-    def prompt_tokens(self, job: SpeechJob, text_tokens: int | None = None) -> int:
-        """Talker positions the prompt will take, as the talker stage will build it."""
-        return prompt_length(self.cfg, self.tokenizer, PromptRequest(
+    def prompt_request(self, job: SpeechJob, text_ids: list[int] | None = None,
+                       ref: tuple[int, ...] | None = None) -> PromptRequest:
+        """``job``'s prompt with all its token ids (``models.prompt.tokenize_prompt``): the one
+        tokenization of a request; the talker stage builds from these ids. ``text_ids``: a
+        continuous utterance's text so far; ``ref``: the ICL transcript's ids if made already."""
+        return tokenize_prompt(self.cfg, self.tokenizer, PromptRequest(
             text=job.text, language=job.language, speaker=job.voice, instructions=job.instructions,
-            clone=job.clone, stream_text=job.clone is not None or job.text_feed is not None),
-            text_tokens)
+            clone=job.clone, stream_text=job.clone is not None or job.text_feed is not None,
+            text_ids=None if text_ids is None else tuple(text_ids), ref_ids=ref))
+
+    def prompt_tokens(self, job: SpeechJob) -> int:
+        """Talker positions the prompt will take, as the talker stage will build it."""
+        return prompt_length(self.cfg, self.tokenizer, self.prompt_request(job))
 
     # ------------------------------------------------------------------ Backend API
     def voices(self) -> list[str]:
@@ -220,14 +244,21 @@ class PipelineBackend(CostLifecycle):
         samples, (streams running, seconds per frame, frames), are appended to that list
         instead of feeding the capacity tracker (``orchestrator.costs``)."""
         is_probe = probe is not None
-        self.validate(job)
+        if not job.validated:  # the server's jobs were (schema.resolve_options); others here
+            self.validate(job)
         if self.sup.pipe is None:
             raise BackendError(503, "unavailable", "the model pipeline is not running", retry_after=2)
         assert self.adm is not None
-        feed_tok, first_ids = (await self.text_feed.first(job)) if job.text_feed is not None \
-            else (None, None)
-        text_tokens = len(first_ids) if first_ids is not None else self.text_tokens(job)
-        prompt_len = self.prompt_tokens(job, text_tokens)
+        c = job.clone
+        ref = tuple(ref_ids(self.tokenizer, c.ref_text)) if c is not None and c.icl else None
+        feed_tok, first_ids = (await self.text_feed.first(job, len(ref or ()))) \
+            if job.text_feed is not None else (None, None)
+        req = self.prompt_request(job, first_ids, ref)  # tokenized here, once
+        if not req.text_ids:
+            raise BackendError(400, "empty_input", "the input text tokenizes to nothing: send "
+                               "at least one word", param="input")
+        text_tokens = len(req.text_ids)
+        prompt_len = prompt_length(self.cfg, self.tokenizer, req)
         room = self.s.max_seq_len - prompt_len - 1
         if feed_tok is not None:  # the text may grow: its cap follows it in the talker stage
             max_frames = job.max_frames or max(1, min(self.s.default_max_frames, room))
@@ -262,14 +293,8 @@ class PipelineBackend(CostLifecycle):
             seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(7), "little")
             instructions = job.instructions if self.supports_instructions else None
             msg = AddStream(stream_id=sid, seed=seed, max_frames=max_frames, chunk=chunk,
-                            prompt=PromptSpec(text=job.text, language=job.language,
-                                              speaker=job.voice, instructions=instructions,
-                                              # the official clone path streams the text
-                                              stream_text=job.clone is not None,
-                                              clone=(CloneSpec.of(job.clone)
-                                                     if job.clone is not None else None),
-                                              text_ids=first_ids,
-                                              continuous=feed_tok is not None),
+                            prompt=prompt_spec(job, req, instructions,
+                                               continuous=feed_tok is not None),
                             sampling=SamplingParams.greedy() if job.greedy else SamplingParams(),
                             stream_codes=job.stream_codes,
                             text_cap=(self.s.frame_cap if feed_tok is not None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 from omni_stream.contract import BackendError, SpeechJob
-from omni_stream.models.prompt import ref_ids
 from omni_stream.models.text_stream import IncrementalTokenizer
 from omni_stream.models.text_tokenizer import TextTokenizer
 from omni_stream.orchestrator.settings import PipelineSettings
@@ -22,15 +21,17 @@ class ContinuousText:
         self.tokenizer = tokenizer
         self.s = settings
 
-    async def first(self, job: SpeechJob) -> tuple[IncrementalTokenizer, list[int]]:
+    async def first(self, job: SpeechJob,
+                    ref_tokens: int = 0) -> tuple[IncrementalTokenizer, list[int]]:
         """Read ``job.text_feed`` until the prompt can be built: one final text id (an ICL voice:
-        enough ids to outrun its reference frames) or the close. BackendError on an idle feed,
-        an empty utterance or text past the stream's limit."""
+        enough ids to outrun its reference frames; ``ref_tokens``: its transcript's ids) or the
+        close. BackendError on an idle feed, an empty utterance or text past the stream's
+        limit."""
         tok = IncrementalTokenizer(self.tokenizer)
         need = 1
         c = job.clone
         if c is not None and c.icl:  # ref + text (no eos yet) must be longer than bos + frames
-            need = max(1, len(c.ref_codes) + 2 - len(ref_ids(self.tokenizer, c.ref_text)))
+            need = max(1, len(c.ref_codes) + 2 - ref_tokens)
         ids: list[int] = []
         while len(ids) < need and not tok.closed:
             ids += await self.next_ids(job, tok)

@@ -341,7 +341,7 @@ def resolve_options(opts: SynthesisOptions, backend: Backend, settings: ServerSe
                     greedy=greedy, stream_codes=stream_codes,
                     initial_chunk_frames=opts.initial_codec_chunk_frames)
     backend.validate(job)
-    return job
+    return replace(job, validated=True)  # the one validation: backend.stream trusts it
 
 
 @dataclass(frozen=True)

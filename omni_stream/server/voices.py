@@ -133,6 +133,7 @@ class VoiceService:
         self.require("ref_audio")
         data = decode_ref_audio_field(opts.ref_audio, param="ref_audio")
         got = await self.clone(data, opts.ref_text, bool(opts.x_vector_only), param="ref_audio")
+        # still validated: require() checked the model clones, and its own encoder made the clone
         return replace(job, clone=got.clone, voice=None, voice_label="ref_audio")
 
 

@@ -41,7 +41,7 @@ from omni_stream.scheduling.throttle import Action, PrefillCostModel
 from omni_stream.stages.talker_scheduler import (FrameEnd, StreamState, TalkerScheduler,
                                                  ThrottleSettings)
 from omni_stream.transport import (AddStream, AppendText, CancelStream, CostUpdate, FailReason,
-                                   Flags, MsgKind, Ring, Shutdown, StreamStart)
+                                   Flags, MsgKind, PromptSpec, Ring, Shutdown, StreamStart)
 from omni_stream.stages.emulate import Emulation
 from omni_stream.stages.faults import FaultPlan
 
@@ -49,6 +49,20 @@ log = logging.getLogger(__name__)
 
 CANCELLED = 1  # aux value of the END event of a cancelled stream
 _END_FLAGS = {FrameEnd.NONE: 0, FrameEnd.EOS: Flags.END, FrameEnd.LENGTH: Flags.END | Flags.LENGTH}
+
+
+def prompt_request(p: PromptSpec, clone: VoiceClone | None, *, text_open: bool,
+                   text_ids: tuple[int, ...] | None = None) -> PromptRequest:
+    """The prompt ``p`` asks for, with the ids the server tokenized (``text_ids``: a continuous
+    stream's text so far, in place of ``p.text_ids``)."""
+    def ids(got: list[int] | None) -> tuple[int, ...] | None:
+        return None if got is None else tuple(got)
+
+    return PromptRequest(text=p.text, language=p.language or "auto", speaker=p.speaker,
+                         instructions=p.instructions, stream_text=p.stream_text or p.continuous,
+                         clone=clone, text_ids=ids(p.text_ids) if text_ids is None else text_ids,
+                         text_open=text_open, role_ids=ids(p.role_ids),
+                         instruct_ids=ids(p.instruct_ids), ref_ids=ids(p.ref_ids))
 
 
 class InvalidCode(ValueError):
@@ -199,10 +213,8 @@ class TalkerStage:
             st.close_pending = False
             st.text_len = len(text_ids)
             self._cap(st)
-        req = PromptRequest(text=p.text, language=p.language or "auto", speaker=p.speaker,
-                            instructions=p.instructions, stream_text=p.stream_text or p.continuous,
-                            clone=clone, text_ids=text_ids, text_open=st.text_open)
-        prompt = self.builder.build(req)
+        prompt = self.builder.build(prompt_request(p, clone, text_open=st.text_open,
+                                                   text_ids=text_ids))
         st.rows_in = int(prompt.trailing.shape[0])
         if prompt.length + msg.max_frames + 1 > self.engine.shape.max_seq_len:
             raise ValueError(f"prompt ({prompt.length}) + max_frames ({msg.max_frames}) exceeds "

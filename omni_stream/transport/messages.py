@@ -71,11 +71,15 @@ class PromptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instructions: str | None = None
     stream_text: bool = False  # feed the text token by token alongside the codec frames
     clone: CloneSpec | None = None  # a cloned voice (Base models)
-    # continuous text (text arrives while the stream runs): the text so far as token ids (the
-    # server tokenizes, keeping back the tail whose tokens could still change); AppendText
-    # brings the rest and closes it. Implies stream_text.
+    # the prompt's token ids, tokenized once by the server (``models.prompt.tokenize_prompt``);
+    # the stage tokenizes only what is None. Continuous text (text arrives while the stream
+    # runs): ``text_ids`` is the text so far (the server keeps back the tail whose tokens could
+    # still change); AppendText brings the rest and closes it. Implies stream_text.
     text_ids: list[int] | None = None
     continuous: bool = False
+    role_ids: list[int] | None = None
+    instruct_ids: list[int] | None = None
+    ref_ids: list[int] | None = None
 
 
 class AddStream(msgspec.Struct, tag="add_stream", tag_field="type", frozen=True,
