@@ -187,17 +187,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     if a.ray is not None:
         return _serve_cluster(a)
+    from omni_stream.cluster.launch import cluster_flags_valid  # the cluster code's own checks
+
     cluster_flags_valid(a)
     settings, _, _ = pipeline_settings(a)
     run_server(PipelineBackend(settings), a.host, a.port, from_args(a))
     return 0
-
-
-def cluster_flags_valid(a: argparse.Namespace) -> None:
-    """The cluster flags' own checks (they live with the rest of the cluster code)."""
-    from omni_stream.cluster.launch import cluster_flags_valid as check
-
-    check(a)
 
 
 def _serve_cluster(a: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, 
     # each frame): a wrong compiled step would show ~0 dB and chance agreement
     import torch
 
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import load_on_weight_path
     from omni_stream.engine.compiled import compile_engine
     from omni_stream.evaluation.fidelity import teacher_forced
     from omni_stream.models.prompt import PromptRequest
@@ -60,7 +60,7 @@ def test_compiled_steps_match_eager_and_warm_start_skips_compilation(tiny_ckpt, 
 
     monkeypatch.setenv("OMNI_STREAM_CACHE_DIR", str(cache))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(next((cache / "compile").iterdir())))
-    ref, comp = (Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"),
+    ref, comp = (Synthesizer(load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"),
                              max_seq_len=256) for _ in range(2))
     compile_engine(comp.engine)
     req = PromptRequest(text="Compiled steps, cached.", language="auto", speaker="ryan")

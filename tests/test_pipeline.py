@@ -426,12 +426,12 @@ def test_int8_weight_path_serves_the_same_audio_as_offline_int8(tiny_ckpt):
     predictor): a seeded stream equals offline int8 synthesis of the same request."""
     import torch
 
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import load_on_weight_path
     from omni_stream.models.prompt import PromptRequest
     from omni_stream.engine.sampling import SamplingParams
     from omni_stream.engine.synthesis import Synthesizer
 
-    s = Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"), max_seq_len=512)
+    s = Synthesizer(load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16, weight_path="int8"), max_seq_len=512)
     ref = s.synthesize(PromptRequest(text=TEXT, language="english", speaker="ryan"),
                        SamplingParams(), seed=7, max_frames=10)
     expected = (np.clip(ref.audio, -1, 1) * 32767.0).astype(np.float64)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from omni_stream.engine.loading import load_model
+from omni_stream.engine.loading import load_on_weight_path
 from omni_stream.evaluation.fidelity import teacher_forced
 from omni_stream.evaluation.metrics import snr_db
 from omni_stream.models.prompt import PromptRequest
@@ -77,18 +77,18 @@ def test_bad_input_names_the_fix():
 
 def test_load_model_int8_needs_bf16_and_cpu(tiny_ckpt):
     with pytest.raises(ValueError, match="dtype bfloat16"):
-        load_model(tiny_ckpt, dtype=torch.float32, weight_path="int8")
+        load_on_weight_path(tiny_ckpt, dtype=torch.float32, weight_path="int8")
     with pytest.raises(ValueError, match="unknown weight path"):
-        load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path="int2")
+        load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16, weight_path="int2")
 
 
 @pytest.fixture(scope="module")
 def tiny_paths(tiny_ckpt):
-    ref = Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16), max_seq_len=256)
-    out = {"bf16": ref, "bf16_again": Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16),
+    ref = Synthesizer(load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16), max_seq_len=256)
+    out = {"bf16": ref, "bf16_again": Synthesizer(load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16),
                                                   max_seq_len=256)}
     for wp in ("int8", "int4"):
-        out[wp] = Synthesizer(load_model(tiny_ckpt, dtype=torch.bfloat16, weight_path=wp),
+        out[wp] = Synthesizer(load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16, weight_path=wp),
                               max_seq_len=256)
     return out
 
@@ -141,7 +141,7 @@ def test_quantized_synthesis_runs_end_to_end(tiny_paths):
 
 
 def test_codec_quantization_is_measurable_not_served(tiny_ckpt):
-    m = load_model(tiny_ckpt, dtype=torch.bfloat16)
+    m = load_on_weight_path(tiny_ckpt, dtype=torch.bfloat16)
     m.code2wav.requires_grad_(False)
     codes = torch.randint(0, 64, (1, 16, 6))
     ref = m.code2wav(codes).float()

@@ -39,7 +39,7 @@ def speed_worker(a: argparse.Namespace) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import load_on_weight_path
     from omni_stream.models.prompt import PromptRequest
     from omni_stream.engine.quant import QUANTIZED, weight_bytes
     from omni_stream.engine.sampling import SamplingParams
@@ -48,7 +48,7 @@ def speed_worker(a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     wp = a.path if a.path in QUANTIZED else None
-    m = load_model(a.model, dtype=torch.bfloat16, weight_path=wp)
+    m = load_on_weight_path(a.model, dtype=torch.bfloat16, weight_path=wp)
     load_s = time.perf_counter() - t0
     s = Synthesizer(m, max_seq_len=512)
     eng = s.engine
@@ -106,7 +106,7 @@ def fidelity(model: str, paths: list[str], frames: int, threads: int) -> list[di
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from omni_stream.engine.loading import load_model
+    from omni_stream.engine.loading import load_on_weight_path
     from omni_stream.evaluation.fidelity import teacher_forced
     from omni_stream.evaluation.metrics import snr_db
     from omni_stream.models.prompt import PromptRequest
@@ -114,14 +114,14 @@ def fidelity(model: str, paths: list[str], frames: int, threads: int) -> list[di
     from omni_stream.engine.synthesis import Synthesizer
 
     torch.set_num_threads(threads)
-    ref = Synthesizer(load_model(model, dtype=torch.bfloat16), max_seq_len=512)
+    ref = Synthesizer(load_on_weight_path(model, dtype=torch.bfloat16), max_seq_len=512)
     voice = sorted(ref.model.config.talker.speakers)[0] if ref.model.config.talker.speakers else None
     req = PromptRequest(text=TEXT, language="english", speaker=voice)
     rows = []
     for wp in paths:
         # fp32: the exact model in full precision, a yardstick for how flat random logits are
         dt = torch.float32 if wp == "fp32" else torch.bfloat16
-        test = Synthesizer(load_model(model, dtype=dt, weight_path=None if wp == "fp32" else wp),
+        test = Synthesizer(load_on_weight_path(model, dtype=dt, weight_path=None if wp == "fp32" else wp),
                            max_seq_len=512)
         f = teacher_forced(ref, test, req, frames)
         codes = torch.randint(0, 2048, (1, ref.model.config.talker.num_code_groups, 8),

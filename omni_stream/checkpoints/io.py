@@ -137,7 +137,7 @@ def build_main_module(cfg: ModelConfig) -> Qwen3TTSWeights:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """Load a checkpoint folder (released layout) strictly, every weight in ``dtype``. (The
-    engine's low-bit weight paths are applied on top by ``engine.loading.load_model``.)"""
+    engine's low-bit weight paths are applied on top by ``engine.loading.load_on_weight_path``.)"""
     path = Path(path)
     cfg = read_config(path)
     tokenizer = TextTokenizer.from_dir(path)

@@ -33,7 +33,7 @@ NATIVE_PLANS = {
     None: WeightPlan("f32", "f32")}
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+def load_on_weight_path(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", weight_path: str | None = None) -> LoadedModel:
     """Load a checkpoint folder strictly (``checkpoints.io.load_model``).
 
@@ -60,7 +60,7 @@ def load_for_engine(path: str | Path, dtype: torch.dtype, device: str, weight_pa
     check_engine(engine, device)
     if engine == "vllm" and weight_path is not None:
         quant.check_supported(weight_path, device, engine)
-    return load_model(path, dtype, device, None if engine == "native" else weight_path)
+    return load_on_weight_path(path, dtype, device, None if engine == "native" else weight_path)
 
 
 def pack_cache_path(model_path: str | Path, weight_path: str | None) -> Path:

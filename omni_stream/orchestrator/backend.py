@@ -71,7 +71,7 @@ def prompt_spec(job: SpeechJob, req: PromptRequest, instructions: str | None, *,
                       ref_ids=listed(req.ref_ids))
 
 
-class _Stream:
+class _Route:
     __slots__ = ("sid", "queue", "loop", "done", "pace", "probe")
 
     def __init__(self, sid: int, loop: asyncio.AbstractEventLoop, steady: int,
@@ -105,7 +105,7 @@ class PipelineBackend(CostLifecycle):
         self.clone_model_dir = settings.model_path if self.cfg.variant == "base" else None
         self._ids = itertools.count(1)
         self._probe_ids = itertools.count(PROBE_STREAM_IDS)  # apart from the clients' ids
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, _Route] = {}
         dtype_bytes = 2 if settings.dtype in ("bfloat16", "float16") else 4
         static_cache = (settings.max_streams * settings.max_seq_len
                         * kv_bytes_per_token(self.cfg, dtype_bytes).flat_per_token)
@@ -283,7 +283,7 @@ class PipelineBackend(CostLifecycle):
             chunk = chunk.starting_at(job.initial_chunk_frames)
         if hold > 0:
             chunk = chunk.held(hold)
-        st = _Stream(sid, asyncio.get_running_loop(), chunk.steady, probe)
+        st = _Route(sid, asyncio.get_running_loop(), chunk.steady, probe)
         self._streams[sid] = st
         forwarder = None
         pipe = self.sup.pipe
@@ -372,7 +372,7 @@ class PipelineBackend(CostLifecycle):
                 self.adm.release(sid)
 
     # ------------------------------------------------------------------ from the supervisor
-    def _deliver(self, st: _Stream, item) -> None:
+    def _deliver(self, st: _Route, item) -> None:
         st.loop.call_soon_threadsafe(st.queue.put_nowait, item)
 
     def _on_audio(self, m: Message) -> None:

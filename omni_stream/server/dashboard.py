@@ -116,7 +116,7 @@ def _refused(metrics: Any) -> int:
     return int(n)
 
 
-def snapshot(st: Any, sampler: StatsSampler) -> dict[str, Any]:
+def stats_body(st: Any, sampler: StatsSampler) -> dict[str, Any]:
     """The /v1/stats body from the app's state and its sampler's readings."""
     backend = st.backend
     stats = backend.stats()
@@ -141,7 +141,7 @@ def snapshot(st: Any, sampler: StatsSampler) -> dict[str, Any]:
 async def stats(request: web.Request) -> web.Response:
     sampler = request.app[SAMPLER]
     await sampler.refresh()
-    body = snapshot(request.app[STATE], sampler)
+    body = stats_body(request.app[STATE], sampler)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
 

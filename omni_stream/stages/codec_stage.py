@@ -42,7 +42,7 @@ PRIMED_CACHE = 8  # cloned voices whose primed Code2Wav state is kept (a few MB 
 
 
 @dataclass
-class _Stream:
+class _Decoding:
     slot: int
     policy: ChunkPolicy
     codes_only: bool
@@ -80,7 +80,7 @@ class CodecStage:
         self.out = out
         self.max_chunk = max_chunk
         self.free = list(range(max_slots))
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, _Decoding] = {}
         self.waiting: dict[int, list[Message]] = {}
         self.decode_s = 0.0
         self.decoded_frames = 0
@@ -114,7 +114,7 @@ class CodecStage:
                 return
             slot = self.free.pop(0)
             self.dec.reset(slot)
-            self.streams[sid] = _Stream(slot, start.chunk, start.codes_only, start.input_tokens,
+            self.streams[sid] = _Decoding(slot, start.chunk, start.codes_only, start.input_tokens,
                                         first_ns=m.enqueue_ns)
             if prime is not None:  # ICL voice: the reference as left context, not played
                 t0 = time.perf_counter()
@@ -219,7 +219,7 @@ class CodecStage:
         self.free.append(st.slot)
         self.free.sort()
 
-    def _ready(self) -> list[tuple[int, _Stream, int]]:
+    def _ready(self) -> list[tuple[int, _Decoding, int]]:
         out = []
         now = time.monotonic()
         decode_ms = 1e3 * self.decode_s / max(self.decoded_frames, 1)
@@ -241,7 +241,7 @@ class CodecStage:
         ready = self._ready()
         if not ready:
             return False
-        by_len: dict[int, list[tuple[int, _Stream]]] = {}
+        by_len: dict[int, list[tuple[int, _Decoding]]] = {}
         for sid, st, n in ready:
             if st.codes_only:
                 self._emit(sid, st, n, None)
@@ -320,7 +320,7 @@ class CodecStage:
         return dict({f"call_s_n{n}_b{b}": s for n, b, s in table},
                     codec_call_s=call_s, codec_frame_s=frame_s)
 
-    def _first_size(self, st: _Stream) -> int:
+    def _first_size(self, st: _Decoding) -> int:
         """A stream's first chunk: its policy's, one frame more when other streams are active.
         Its next frames then come at the pace of a batched step and its chunks wait for the
         others' decodes, so a first chunk sized for a lone stream runs dry before the second
@@ -330,7 +330,7 @@ class CodecStage:
             return st.policy.first
         return st.policy.first + (1 if len(self.streams) > 1 else 0)
 
-    def _piggyback(self, by_len: dict[int, list[tuple[int, _Stream]]], ready: set[int]) -> None:
+    def _piggyback(self, by_len: dict[int, list[tuple[int, _Decoding]]], ready: set[int]) -> None:
         """Streams not due yet that hold enough frames join a decode of that length: a row more
         in a call costs far less than a call of its own (on a CPU each call reads the decoder's
         weights), and their audio leaves early. A stream's first chunk keeps at least its
@@ -343,7 +343,7 @@ class CodecStage:
                 group.append((sid, st))
                 ready.add(sid)
 
-    def _emit(self, sid: int, st: _Stream, n: int, pcm: np.ndarray | None) -> None:
+    def _emit(self, sid: int, st: _Decoding, n: int, pcm: np.ndarray | None) -> None:
         frames = np.concatenate(st.buf[:n], axis=0)
         del st.buf[:n]
         if st.first_out_t is None:
