@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("omni_cpu.cpp")  # includes the oc_*.h beside it
 HEADERS = sorted(Path(__file__).parent.glob("oc_*.h"))
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 
 
 class BuildError(RuntimeError):

@@ -25,17 +25,6 @@
 #define OC_PAUSE() std::this_thread::yield()
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define OC_VNNI 1
-#else
-#define OC_VNNI 0
-#endif
-#if OC_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define OC_AMX 1
-constexpr int kAmxMinRows = 16;  // products of fewer rows stay on VNNI (a tile is 16 rows)
-#else
-#define OC_AMX 0
-#endif
 
 
 namespace {

@@ -23,52 +23,9 @@ void rope(float* x, const float* cs, const float* sn, int d) {
   }
 }
 
-inline float load_kv(const void* base, int bf16, int64_t idx) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
-}
 inline void store_kv(void* base, int bf16, int64_t idx, float v) {
   if (bf16) static_cast<uint16_t*>(base)[idx] = f32_to_bf16(v);
   else static_cast<float*>(base)[idx] = v;
-}
-
-float dot_kv(const float* q, const void* kb, int bf16, int64_t off, int d) {
-#if OC_VNNI
-  __m512 acc = _mm512_setzero_ps();
-  if (bf16) {
-    const uint16_t* k = static_cast<const uint16_t*>(kb) + off;
-    for (int i = 0; i < d; i += 16) {
-      __m512i kk = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(k + i))), 16);
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_castsi512_ps(kk), acc);
-    }
-  } else {
-    const float* k = static_cast<const float*>(kb) + off;
-    for (int i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float s = 0.f;
-  for (int i = 0; i < d; i++) s += q[i] * load_kv(kb, bf16, off + i);
-  return s;
-#endif
-}
-
-void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, int d) {
-#if OC_VNNI
-  __m512 av = _mm512_set1_ps(a);
-  if (bf16) {
-    const uint16_t* v = static_cast<const uint16_t*>(vb) + off;
-    for (int i = 0; i < d; i += 16) {
-      __m512i vv = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + i))), 16);
-      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(av, _mm512_castsi512_ps(vv), _mm512_loadu_ps(out + i)));
-    }
-  } else {
-    const float* v = static_cast<const float*>(vb) + off;
-    for (int i = 0; i < d; i += 16)
-      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
-  }
-#else
-  for (int i = 0; i < d; i++) out[i] += a * load_kv(vb, bf16, off + i);
-#endif
 }
 
 struct StepScratch {
@@ -88,7 +45,7 @@ void attend_rows(const float* qkv, int qkv_n, int H, int Hkv, int D, const void*
   const int64_t base = (slot * Hkv + hk) * length * D;
   for (int64_t j = 0; j < n; j++)
     for (int g = 0; g < grp; g++)
-      sc[g * n + j] = dot_kv(qkv + (hk * grp + g) * D, kc, bf16, base + j * D, D) * scale;
+      sc[g * n + j] = simd::dot_kv(qkv + (hk * grp + g) * D, kc, bf16, base + j * D, D) * scale;
   for (int g = 0; g < grp; g++) {
     float* s = sc.data() + g * n;
     float mx = -std::numeric_limits<float>::infinity();
@@ -101,7 +58,7 @@ void attend_rows(const float* qkv, int qkv_n, int H, int Hkv, int D, const void*
     float inv = (float)(1.0 / z);
     float* o = out + (hk * grp + g) * D;
     std::fill(o, o + D, 0.f);
-    for (int64_t j = 0; j < n; j++) axpy_kv(s[j] * inv, vc, bf16, base + j * D, o, D);
+    for (int64_t j = 0; j < n; j++) simd::axpy_kv(s[j] * inv, vc, bf16, base + j * D, o, D);
   }
 }
 

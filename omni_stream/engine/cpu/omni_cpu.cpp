@@ -9,8 +9,10 @@
 // state) and passes pointers; nothing here allocates per call except per-thread scratch kept
 // in the pool.
 //
-// Products (see engine/cpu/native.py for the packing): activations are quantized per row to
-// int8 and multiplied with VPDPBUSD (u8 x s8 -> s32).
+// Products (see engine/cpu/packing.py for the packing): activations are quantized per row to
+// int8 and multiplied with the weights' codes in exact int32 sums, by the kernel set this build
+// runs (kernels/isa.h picks one: AVX-512 VNNI, AVX2, NEON or the scalar reference; each gives
+// the reference's products bit for bit).
 //   q4: unsigned nibbles q with a per-(row, group) fp16 scale s and offset m: w = q s + m;
 //       sum w x = xs (s sum q x8 + m sum x8) per group.
 //   q6 / q5: as q4 with 6- / 5-bit q (the nibble plus the top bits, beside it per 16 inputs).
@@ -24,10 +26,9 @@
 //   q6 / q5 weights [N/16][K/64][4][192 / 160] bytes: per group and 16 inputs, two vectors
 //      of nibbles in the q4 layout, then the top bits (oc_gemm.h q56_block); scales as q4's.
 //   q8 weights [N/16][K/4][64] bytes, byte 4 r + i: row r at input 4 kq + i.
-// Built with -march=native by engine/cpu/build.py; without AVX-512 VNNI the same code runs
-// with a scalar fallback (correct, slow; the profile does not pick this engine there). With
-// AMX (int8 tiles), q4 products of >= 16 rows (prefills, wide batches) run on tiles, bit for
-// bit the VNNI kernel's results.
+// Built with -march=native by engine/cpu/build.py (capped by OMNI_STREAM_CPU_ISA); oc_isa()
+// says which kernel set and features it runs. With AMX (int8 tiles), q4 products of >= 16 rows
+// (prefills, wide batches) run on tiles, bit for bit the VNNI kernel's results.
 
 #include "oc_pool.h"
 #include "oc_types.h"
@@ -35,6 +36,8 @@
 #include "oc_step.h"
 #include "oc_sample.h"
 #include "oc_snake.h"
+
+#include <string>
 
 // ------------------------------------------------------------------------------ C entry points
 extern "C" {
@@ -58,7 +61,14 @@ int32_t oc_lease_acquire(void* lease, int64_t timeout_us) {
   return lease_acquire(static_cast<CoreLease*>(lease), timeout_us);
 }
 void oc_lease_release(void* lease) { lease_release(static_cast<CoreLease*>(lease)); }
-int32_t oc_has_vnni() { return OC_VNNI; }
+// the kernel set this build runs and its features, e.g. "avx2+fma+f16c", "avx512+vnni+gfni+amx",
+// "neon+dotprod+i8mm", "scalar"; and its level (0 scalar, 1 avx2, 2 avx512, 3 neon)
+const char* oc_isa() {
+  static const std::string name = std::string(simd::kIsa) + simd::kFeatures;
+  return name.c_str();
+}
+int32_t oc_isa_level() { return OC_ISA; }
+int32_t oc_has_vnni() { return OC_ISA == OC_ISA_AVX512; }  // the AVX-512 VNNI kernels
 // Code2Wav's SnakeBeta over bf16 [rows][t] (row r: channel r % channels); see oc_snake.h
 void oc_snake_bf16(const uint16_t* x, uint16_t* y, const float* alpha, const float* inv_beta,
                    int64_t rows, int32_t channels, int64_t t) {
@@ -86,6 +96,42 @@ struct OcSampling {  // per row of a call
 void oc_linear(void* pool, const OcLinear* L, const float* x, int32_t m, float* y) {
   Scratch s;
   linear(static_cast<Pool*>(pool), *L, x, m, y, s);
+}
+
+// The scalar reference's product (kernels/scalar.h), one thread: what every kernel set's
+// oc_linear must give bit for bit (tests).
+void oc_linear_ref(const OcLinear* L, const float* x, int32_t m, float* y) {
+  const int g = L->kind == 1 || L->kind == 2 ? 0 : L->group;
+  std::vector<int8_t> x8((size_t)m * L->k);
+  std::vector<float> xs(m);
+  std::vector<int32_t> gsum(g > 0 ? (size_t)m * (L->k / g) : 1);
+  if (L->kind == 2) {
+    for (int r = 0; r < m; r++)
+      for (int n = 0; n < L->n; n++) y[(int64_t)r * L->n + n] = ref::dot_f32(L->wf + (int64_t)n * L->k, x + (int64_t)r * L->k, L->k);
+  } else {
+    quantize_rows(x, m, L->k, g, x8.data(), xs.data(), gsum.data());
+    ref::lowbit_blocks(*L, x8.data(), xs.data(), gsum.data(), m, 0, L->n / 16, y);
+  }
+  if (L->bias)
+    for (int r = 0; r < m; r++)
+      for (int n = 0; n < L->n; n++) y[(int64_t)r * L->n + n] += L->bias[n];
+}
+
+// The attention's primitives over n cache rows of width d (bf16 or fp32), by this build's kernel
+// set (ref 0) or the scalar reference (ref 1): dots[j] = q . K[j]; out += sum_j a[j] V[j].
+void oc_kv_products(int32_t use_ref, const float* q, const void* kv, int32_t bf16, int32_t d, int32_t n,
+                    const float* a, float* dots, float* out) {
+  for (int j = 0; j < n; j++) {
+    dots[j] = use_ref ? ref::dot_kv(q, kv, bf16, (int64_t)j * d, d) : simd::dot_kv(q, kv, bf16, (int64_t)j * d, d);
+    if (use_ref) ref::axpy_kv(a[j], kv, bf16, (int64_t)j * d, out, d);
+    else simd::axpy_kv(a[j], kv, bf16, (int64_t)j * d, out, d);
+  }
+}
+
+// SnakeBeta by the scalar reference (oc_snake_bf16's arguments)
+void oc_snake_bf16_ref(const uint16_t* x, uint16_t* y, const float* alpha, const float* inv_beta,
+                       int64_t rows, int32_t channels, int64_t t) {
+  for (int64_t r = 0; r < rows; r++) ref::snake_row(x + r * t, y + r * t, alpha[r % channels], inv_beta[r % channels], t);
 }
 
 // One decode step of a stack (see stack_step); x [m][hidden] in, normed hidden out (in place).
