@@ -15,7 +15,8 @@
 // tests/test_cpu_arm64.py under qemu for ARM64).
 //
 // The set is chosen from the compiler's target (engine/cpu/build.py builds with -march=native,
-// capped by OMNI_STREAM_CPU_ISA): OC_FORCE_SCALAR forces the reference.
+// capped by OMNI_STREAM_CPU_ISA): OC_FORCE_SCALAR forces the reference, OC_FORCE_AVX2 the AVX2
+// set on an AVX-512 target (tests).
 #pragma once
 
 #define OC_ISA_SCALAR 0
@@ -25,6 +26,9 @@
 
 #if defined(OC_FORCE_SCALAR)
 #define OC_ISA OC_ISA_SCALAR
+#elif (defined(__x86_64__) || defined(_M_X64)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    defined(OC_FORCE_AVX2)
+#define OC_ISA OC_ISA_AVX2  // tests: the AVX2 set on an AVX-512 target (see avx2.h's QuadSum)
 #elif (defined(__x86_64__) || defined(_M_X64)) && defined(__AVX512F__) && defined(__AVX512VNNI__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define OC_ISA OC_ISA_AVX512
