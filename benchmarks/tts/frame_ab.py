@@ -1,4 +1,4 @@
-"""One frame step of two source trees side by side: the cost of a refactor, measured.
+"""One frame step of two source trees, or of this tree at several kernel levels, side by side.
 
 Checks out ``--before`` (a git revision) in a temporary worktree and times ``FrameEngine.step``
 (talker + code predictor, one frame) in that tree and in this one, alternating fresh processes
@@ -6,8 +6,14 @@ round by round so drift hits both alike: the same checkpoint, engine, weight pat
 batch 1, ``--frames`` steps after 5 warm-up steps per process. Prints the per-round medians and
 the median of them per side with n, the machine's read bandwidth beside them, and writes JSON.
 
+``--isa avx512,avx2`` runs this tree once per native kernel level instead (or beside
+``--before``): each side capped by ``OMNI_STREAM_CPU_ISA`` with torch, oneDNN and MKL capped
+alike (the AVX2 emulation of docs/configuration.md), so one machine measures what another kind
+runs, on the same memory.
+
     python benchmarks/tts/frame_ab.py --model CK --before facf099 [--engine native]
         [--weight-path mixed] [--threads 1] [--rounds 6] [--frames 40]
+    python benchmarks/tts/frame_ab.py --model CK --isa avx512,avx2 --weight-path int8
 """
 
 from __future__ import annotations
@@ -47,12 +53,29 @@ with torch.inference_mode():
         t0 = time.perf_counter(); eng.step(1); dt = time.perf_counter() - t0
         if i >= 5:
             ts.append(dt)
-print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__}))
+isa = None
+if engine == "native":
+    import ctypes
+    from omni_stream.engine.cpu.abi import library
+    lib = library()
+    if hasattr(lib, "oc_isa"):
+        lib.oc_isa.restype = ctypes.c_char_p
+        isa = lib.oc_isa().decode()
+print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__, "isa": isa}))
 """
 
 
-def run_side(tree: Path, a: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+# the variables that make this machine run as one of a kernel level (docs/configuration.md)
+ISA_ENV = {
+    "avx2": {"OMNI_STREAM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "scalar": {"OMNI_STREAM_CPU_ISA": "scalar", "ATEN_CPU_CAPABILITY": "default"},
+    "avx512": {"OMNI_STREAM_CPU_ISA": "avx512"},
+}
+
+
+def run_side(tree: Path, a: argparse.Namespace, isa: str | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), **ISA_ENV.get(isa or "", {}))
     out = subprocess.run([sys.executable, "-c", WORKER, a.engine, a.weight_path, str(a.threads),
                           str(a.frames), a.model], cwd=tree, env=env, capture_output=True,
                          text=True, timeout=900)
@@ -67,7 +90,9 @@ def run_side(tree: Path, a: argparse.Namespace) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--before", required=True, help="a git revision of this repository")
+    ap.add_argument("--before", help="a git revision of this repository")
+    ap.add_argument("--isa", default="", help="this tree at each of these native kernel levels "
+                    f"({', '.join(ISA_ENV)}), comma-separated; default: as built here")
     ap.add_argument("--engine", default="native")
     ap.add_argument("--weight-path", default="mixed")
     ap.add_argument("--threads", type=int, default=1)
@@ -79,30 +104,44 @@ def main() -> int:
 
     machine = machine_info()
     print_machine(machine)
+    isas = [x for x in a.isa.split(",") if x]
+    if not a.before and not isas:
+        ap.error("give --before REV, --isa LEVELS or both")
+    if unknown := [x for x in isas if x not in ISA_ENV]:
+        ap.error(f"--isa: unknown level(s) {', '.join(unknown)}; valid: {', '.join(ISA_ENV)}")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        sides: list[tuple[str, Path, str | None]] = []
         before = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before),
-                        a.before], check=True)
+        if a.before:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before),
+                            a.before], check=True)
+            sides.append(("before", before, None))
+        sides += [(f"after[{x}]", ROOT, x) for x in isas] or [("after", ROOT, None)]
         try:
-            rows = []
             for r in range(a.rounds):
-                for side, tree in (("before", before), ("after", ROOT)):
-                    got = run_side(tree, a)
-                    rows.append({"round": r + 1, "side": side, "ms": got["ms"], "n": got["n"]})
-                    print(f"round {r + 1}  {side:6s} {got['ms']:7.2f} ms (n={got['n']})")
+                for side, tree, isa in sides:
+                    got = run_side(tree, a, isa)
+                    rows.append({"round": r + 1, "side": side, "ms": got["ms"], "n": got["n"],
+                                 "native_kernels": got.get("isa")})
+                    print(f"round {r + 1}  {side:14s} {got['ms']:7.2f} ms (n={got['n']}, "
+                          f"kernels {got.get('isa')})")
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)],
-                           check=False)
-    med = {s: statistics.median(x["ms"] for x in rows if x["side"] == s) for s in ("before", "after")}
-    print(f"\nmedian of {a.rounds} rounds: before ({a.before}) {med['before']:.2f} ms, after (HEAD) "
-          f"{med['after']:.2f} ms, ratio {med['after'] / med['before']:.3f}; {machine['label']}, "
-          f"1 thread {machine['bandwidth_gbs_1_thread']} GB/s")
+            if a.before:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)],
+                               check=False)
+    names = [s for s, _, _ in sides]
+    med = {s: statistics.median(x["ms"] for x in rows if x["side"] == s) for s in names}
+    base = names[0]
+    print(f"\nmedian of {a.rounds} rounds ({a.engine} {a.weight_path}, {a.threads} thread(s), batch 1): "
+          + ", ".join(f"{s} {med[s]:.2f} ms (x{med[s] / med[base]:.3f})" for s in names)
+          + f"; {machine['label']}, 1 thread {machine['bandwidth_gbs_1_thread']} GB/s")
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     Path(a.out).write_text(json.dumps({
-        "before": a.before, "after": rev, "engine": a.engine, "weight_path": a.weight_path,
+        "before": a.before, "after": rev, "isa": isas, "engine": a.engine, "weight_path": a.weight_path,
         "threads": a.threads, "frames_per_round": a.frames, "rounds": rows,
-        "median_ms": med, "ratio": med["after"] / med["before"], "machine": machine}, indent=1))
+        "median_ms": med, "ratio": {s: med[s] / med[base] for s in names}, "machine": machine}, indent=1))
     print(f"wrote {a.out}")
     return 0
 
