@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tts.harness import ISA_ENV  # noqa: E402
+
 # run inside each tree (its omni_stream first on the path): one JSON line
 WORKER = r"""
 import json, statistics, sys, time
@@ -63,15 +65,6 @@ if engine == "native":
         isa = lib.oc_isa().decode()
 print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__, "isa": isa}))
 """
-
-
-# the variables that make this machine run as one of a kernel level (docs/configuration.md)
-ISA_ENV = {
-    "avx2": {"OMNI_STREAM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "scalar": {"OMNI_STREAM_CPU_ISA": "scalar", "ATEN_CPU_CAPABILITY": "default"},
-    "avx512": {"OMNI_STREAM_CPU_ISA": "avx512"},
-}
 
 
 def run_side(tree: Path, a: argparse.Namespace, isa: str | None = None) -> dict:

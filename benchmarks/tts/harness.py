@@ -52,6 +52,18 @@ TEXTS = [
     "Please hold while I look that up for you in the catalogue.",
     "Thank you for calling; your request has been received and will be processed.",
 ]
+# The variables that make this machine run as one of another kernel level: the native runtime
+# capped by OMNI_STREAM_CPU_ISA, torch / oneDNN / MKL alike (docs/configuration.md). The AVX2
+# emulation is a typical laptop's, desktop's or Zen 2/3 server's instruction set on this
+# machine's cores and memory.
+ISA_ENV = {
+    "avx2": {"OMNI_STREAM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "OMNI_STREAM_HW_PROFILE": '{"isa": ["avx", "avx2", "fma", "f16c"]}'},
+    "scalar": {"OMNI_STREAM_CPU_ISA": "scalar", "ATEN_CPU_CAPABILITY": "default"},
+    "avx512": {"OMNI_STREAM_CPU_ISA": "avx512"},
+}
+
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz: a stream returns a whole number of frames
 
 

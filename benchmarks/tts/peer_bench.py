@@ -23,6 +23,12 @@ with the reference's text-streaming audio through the same exact codec, frame by
 counts as matching at >= 40 dB (equal codes give ~115 dB, any changed code ~0 dB).
 
     python benchmarks/tts/peer_bench.py --model CK          # CK: omni-stream make-checkpoint --preset 0.6b
+    python benchmarks/tts/peer_bench.py --model CK --isa avx2 --precisions 8-bit,4-bit \
+        --out benchmarks/tts/results/peer_bench_avx2.json   # this machine as an AVX2-only x86-64
+
+``--isa LEVEL`` runs the whole benchmark with harness.ISA_ENV[LEVEL] set (omni-stream's kernels
+capped at that level, torch / oneDNN / MKL alike; the peers' wheels are AVX2 builds either way)
+and names the level beside the machine in the report.
 
 Writes benchmarks/tts/results/peer_bench.{json,md}. The machine's read bandwidth is measured at
 the start (machine.py) and printed beside the table: on a shared 2-core machine the figures are
@@ -112,6 +118,15 @@ def run_omni(ck: Path, precision: str, threads: int, frames: int, timeout: int) 
     return dict(talker_ms=row["talker_ms_b1"], cp_ms=row["cp_frame_ms_b1"],
                 codec_ms=row.get("codec_ms_per_frame"), weight_bytes_per_frame=row["weight_bytes_per_frame"],
                 codec_mode=f"streaming, 4-frame chunks, {row.get('codec_dtype')}")
+
+
+def native_kernels() -> str | None:
+    """What omni-stream's native runtime runs here (its library's own report), in a child so
+    this process loads no kernel."""
+    code = ("import ctypes; from omni_stream.engine.cpu.abi import library; l = library(); "
+            "l.oc_isa.restype = ctypes.c_char_p; print(l.oc_isa().decode())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    return r.stdout.strip() or None if r.returncode == 0 else None
 
 
 def failure_reason(stderr: str) -> str:
@@ -213,6 +228,8 @@ def main() -> int:
     ap.add_argument("--fidelity-frames", type=int, default=16)
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
     ap.add_argument("--no-omni", action="store_true", help="peers only")
+    ap.add_argument("--isa", default=None, help="run as a machine of this native kernel level "
+                    "(harness.ISA_ENV: avx2, avx512, scalar)")
     ap.add_argument("--out", default=str(RESULTS / "peer_bench.json"))
     ap.add_argument("--report", action="store_true", help="re-render --out's .md and table from its JSON")
     ap.add_argument("--fidelity-only", action="store_true",
@@ -232,6 +249,12 @@ def main() -> int:
         Path(a.out).with_suffix(".md").write_text(markdown(doc))
         print_table(doc)
         return 0
+    if a.isa:
+        from benchmarks.tts.harness import ISA_ENV
+
+        if a.isa not in ISA_ENV:
+            ap.error(f"--isa: {a.isa!r} is not one of {', '.join(ISA_ENV)}")
+        os.environ.update(ISA_ENV[a.isa])  # before this process or a child loads a kernel
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs every file it opens
     if not a.model:
@@ -295,7 +318,7 @@ def main() -> int:
     bits_per_weight(rows)
     fid = fidelity(ck, a.fidelity_frames, runs_dir, impls, max(threads))
     bw = {str(t): machine.get("bandwidth_gbs_1_thread") if t == 1 else machine.get("bandwidth_gbs") for t in threads}
-    doc = dict(model=str(ck), text=TEXT, rounds=a.rounds, frames=a.frames,
+    doc = dict(model=str(ck), text=TEXT, isa=a.isa, native_kernels=native_kernels(), rounds=a.rounds, frames=a.frames,
                fidelity_frames=a.fidelity_frames, machine=machine, machine_end=machine_end,
                bandwidth_gbs_by_threads=bw,
                peers={k: dict(package=v.package, version=v.version) for k, v in PEERS.items() if k in impls},

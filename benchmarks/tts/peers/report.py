@@ -117,7 +117,11 @@ def markdown(doc: dict) -> str:
         + (f"\nFidelity rows: `{doc['fidelity_command']}` (from the same runs' codes and audio)  "
            if doc.get("fidelity_command") else ""), f"Checkpoint: `{doc['model']}` (random weights, released layout); "
         f"prompt: \"{TEXT}\", speaker ryan, english, greedy.  ",
-        f"Machine: {m.get('label')}; read bandwidth {bw.get('1')} GB/s on 1 thread, {bw.get('2')} GB/s on 2 "
+        f"Machine: {m.get('label')}"
+        + (f", run as an {doc['isa'].upper()}-only machine (harness.ISA_ENV: omni-stream's native kernels "
+           f"{doc.get('native_kernels')}, torch / oneDNN / MKL capped alike)" if doc.get("isa") else
+           (f"; omni-stream's native kernels {doc['native_kernels']}" if doc.get("native_kernels") else ""))
+        + f"; read bandwidth {bw.get('1')} GB/s on 1 thread, {bw.get('2')} GB/s on 2 "
         f"(measured at the start; load average {m.get('load_avg_at_start')})"
         + (f", {me.get('bandwidth_gbs_1_thread')} / {me.get('bandwidth_gbs')} GB/s after the runs "
            f"(load {me.get('load_avg_at_start')})" if me else "") + ".  ",
