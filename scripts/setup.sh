@@ -15,6 +15,13 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null \
     || echo "warning: chromium was not installed; the browser tests will fail" >&2
 fi
+# and the ARM64 cross compiler and qemu's user-mode emulator: tests/test_cpu_arm64.py builds the
+# CPU runtime's NEON kernels for ARM64 and runs them under qemu-aarch64
+if { ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; } && command -v apt-get >/dev/null; then
+  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null \
+    || echo "warning: g++-aarch64-linux-gnu / qemu-user were not installed; the ARM64 kernel tests (-m arm64) will fail" >&2
+fi
 stamp=.venv/.omni-stream-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"

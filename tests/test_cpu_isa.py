@@ -66,6 +66,7 @@ def _declare(lib) -> None:
                                    C.c_void_p, C.c_void_p, C.c_void_p]
     lib.oc_snake_bf16_ref.argtypes = lib.oc_snake_bf16.argtypes = [
         C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64, C.c_int32, C.c_int64]
+    lib.oc_snake_f32_ref.argtypes = lib.oc_snake_f32.argtypes = lib.oc_snake_bf16.argtypes
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -151,10 +152,14 @@ def test_attention_primitives_are_the_references_on_every_set(libs, bf16):
                                    rtol=1e-4, atol=1e-3)
 
 
-def test_snake_is_the_references_on_every_set(libs):
-    """Every set's SnakeBeta equals the scalar reference's bit for bit, at every row length (the
-    vector sets' partial last vectors) and on the edges: +-0, +-inf, NaN, the reduction's
-    limit (4095, 4096: past it std::sin), 1e30, tiny values."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_snake_is_the_references_on_every_set(libs, dtype):
+    """Every set's SnakeBeta (bf16 and fp32) equals the scalar reference's bit for bit, at every
+    row length (the vector sets' partial last vectors) and on the edges: +-0, +-inf, NaN, the
+    reduction's limit (4095, 4096: past it std::sin), 1e30, tiny values; the fp32 one is
+    within 4 float32 steps of float64's x + sin(alpha x)^2 / beta where the polynomial runs
+    (steps of the larger of the result and of alpha x / beta: alpha x itself is rounded to
+    float32 first, as in torch's fp32 ops)."""
     g = torch.Generator().manual_seed(3)
     c = 3
     edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 4096.0,
@@ -163,16 +168,26 @@ def test_snake_is_the_references_on_every_set(libs):
     for t in (1, 7, 8, 15, 16, 17, 33, 4099):
         x = (torch.randn(1, c, t, generator=g) * torch.logspace(-3, 3, t)[None, None])
         x[0, 0, :min(t, len(edges))] = edges[:t]
-        x = x.bfloat16()
+        x = x.to(dtype)
         outs = []
         for name, lib in libs.items():
             _declare(lib)
-            for fn in (lib.oc_snake_bf16, lib.oc_snake_bf16_ref):
+            fns = ((lib.oc_snake_bf16, lib.oc_snake_bf16_ref) if dtype == torch.bfloat16
+                   else (lib.oc_snake_f32, lib.oc_snake_f32_ref))
+            for fn in fns:
                 y = torch.empty_like(x)
                 fn(x.data_ptr(), y.data_ptr(), alpha.data_ptr(), inv_beta.data_ptr(), c, c, t)
                 outs.append((name, _bits(y)))
         for name, bits in outs:
             assert np.array_equal(bits, outs[0][1]), (name, t)
+        if dtype == torch.float32:
+            y = torch.from_numpy(outs[0][1]).view(torch.float32).double()
+            xd = x.double()
+            ref = xd + inv_beta.double()[None, :, None] * torch.sin(xd * alpha.double()[None, :, None]) ** 2
+            v = (xd * alpha.double()[None, :, None]).abs()
+            poly = v < 4096
+            scale = torch.maximum(ref.abs(), v * inv_beta.double()[None, :, None]).clamp_min(2.0 ** -20)
+            assert bool(((y - ref).abs() <= 4 * 2.0 ** -24 * scale)[poly].all())
 
 
 REQS = [PromptRequest(text="Hello world, this is the CPU runtime.", language="english", speaker="ryan"),

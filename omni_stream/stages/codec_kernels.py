@@ -1,5 +1,5 @@
 """The kernels the codec stage decodes with, and the bit-exact comparison its checks use: on a
-CPU in bf16 the weights packed once for oneDNN and the CPU runtime's one-pass Snake
+CPU (bf16 or fp32) the weights packed once for oneDNN and the CPU runtime's one-pass Snake
 (``stage_kernels``); a client decoding on the same kind of CPU with them gets the stage's
 samples."""
 
@@ -23,7 +23,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def stage_kernels(model: Code2Wav) -> Code2Wav:
-    """``model`` set up to run as the codec stage runs it: on a CPU in bf16, weights packed once
+    """``model`` set up to run as the codec stage runs it: on a CPU in bf16 or fp32, weights packed once
     and the runtime's one-pass Snake (the kernels whose output is the same bits at any chunk
     plan where oneDNN runs at ``onednn.DECODE_LEVEL``: ``pin_decode_isa`` before the process's
     first oneDNN call); unchanged elsewhere. A client decoding on the same kind of CPU with it
@@ -33,10 +33,11 @@ def stage_kernels(model: Code2Wav) -> Code2Wav:
 
 
 def snake_for(model: Code2Wav):
-    """The CPU runtime's one-pass SnakeBeta for a bf16 model on CPU (None elsewhere, or when the
-    runtime cannot be built here: torch's ops then run it)."""
+    """The CPU runtime's one-pass SnakeBeta for a bf16 or fp32 model on CPU (None elsewhere, or
+    when the runtime cannot be built here: torch's ops then run it). In fp32 it is about a tenth
+    of a decode call on an AVX2 CPU, whose codec runs in fp32 (no bf16 arithmetic)."""
     p = model.pre_conv.conv.weight
-    if p.device.type != "cpu" or p.dtype != torch.bfloat16:
+    if p.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float32):
         return None
     try:
         from omni_stream.engine.cpu.abi import snake_kernel

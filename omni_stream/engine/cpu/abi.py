@@ -68,25 +68,39 @@ def library(path: str | None = None) -> C.CDLL:
         lib.oc_lease_acquire.argtypes = [C.c_void_p, C.c_int64]
         lib.oc_lease_release.argtypes = [C.c_void_p]
         lib.oc_has_amx.restype = C.c_int32
+        lib.oc_isa.restype = C.c_char_p  # the kernel set, e.g. b"avx2+fma+f16c" (engine.cpu.isa)
+        lib.oc_isa.argtypes = []
+        lib.oc_isa_level.restype = C.c_int32  # isa.LEVELS' index
+        lib.oc_isa_level.argtypes = []
+        # the scalar reference's products (tests: every kernel set gives them bit for bit)
+        lib.oc_linear_ref.argtypes = [C.POINTER(OcLinear), C.c_void_p, C.c_int32, C.c_void_p]
+        lib.oc_kv_products.argtypes = [C.c_int32, C.c_void_p, C.c_void_p, C.c_int32, C.c_int32,
+                                       C.c_int32, C.c_void_p, C.c_void_p, C.c_void_p]
         lib.oc_snake_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64,
                                       C.c_int32, C.c_int64]
+        lib.oc_snake_bf16_ref.argtypes = lib.oc_snake_bf16.argtypes
         lib._omni_typed = True
     return lib
 
 
 def snake_kernel(lib: C.CDLL | None = None):
-    """Code2Wav's SnakeBeta in one pass (``oc_snake_bf16``) as ``fn(x, alpha, inv_beta) -> y``
-    for bf16 x [B, C, T] and fp32 per-channel alpha = exp(log alpha) and inv_beta = 1 / (exp(log
-    beta) + 1e-9); for ``Code2Wav.pack(snake=...)``."""
+    """Code2Wav's SnakeBeta in one pass (``oc_snake_bf16`` / ``oc_snake_f32``) as
+    ``fn(x, alpha, inv_beta) -> y`` for bf16 or fp32 x [B, C, T] and fp32 per-channel alpha =
+    exp(log alpha) and inv_beta = 1 / (exp(log beta) + 1e-9); for ``Code2Wav.pack(snake=...)``.
+    Each value's result depends on it alone (kernels/scalar.h's snake_one, on every kernel set)."""
     lib = lib or library()
+    lib.oc_snake_f32.argtypes = lib.oc_snake_bf16.argtypes
+    fns = {torch.bfloat16: lib.oc_snake_bf16, torch.float32: lib.oc_snake_f32}
 
     def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 3:
-            raise ValueError(f"the snake kernel takes bf16 [batch, channels, time], got {x.dtype} {tuple(x.shape)}")
+        fn = fns.get(x.dtype)
+        if fn is None or x.dim() != 3:
+            raise ValueError(f"the snake kernel takes bf16 or fp32 [batch, channels, time], got {x.dtype} "
+                             f"{tuple(x.shape)}")
         x = x.contiguous()
         y = torch.empty_like(x)
-        lib.oc_snake_bf16(x.data_ptr(), y.data_ptr(), alpha.data_ptr(), inv_beta.data_ptr(),
-                          x.shape[0] * x.shape[1], x.shape[1], x.shape[2])
+        fn(x.data_ptr(), y.data_ptr(), alpha.data_ptr(), inv_beta.data_ptr(), x.shape[0] * x.shape[1],
+           x.shape[1], x.shape[2])
         return y
 
     return snake

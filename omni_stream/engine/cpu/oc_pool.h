@@ -21,6 +21,8 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define OC_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define OC_PAUSE() __asm__ __volatile__("yield")  // the spin hint (std::this_thread::yield is a syscall)
 #else
 #define OC_PAUSE() std::this_thread::yield()
 #endif

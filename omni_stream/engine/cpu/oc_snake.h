@@ -1,4 +1,4 @@
-// SnakeBeta of Code2Wav in one pass over bf16 activations: y = x + sin(alpha x)^2 / beta.
+// SnakeBeta of Code2Wav in one pass over bf16 or fp32 activations: y = x + sin(alpha x)^2 / beta.
 // Part of omni_cpu.cpp (one translation unit); see there for the overview.
 //
 // torch runs it as five bf16 ops (mul, sin, pow, mul, add), each a pass over memory with its own
@@ -17,6 +17,12 @@ void snake_bf16(const uint16_t* x, uint16_t* y, const float* alpha, const float*
                 int64_t rows, int channels, int64_t t) {
   for (int64_t r = 0; r < rows; r++)
     simd::snake_row(x + r * t, y + r * t, alpha[r % channels], inv_beta[r % channels], t);
+}
+
+void snake_f32(const float* x, float* y, const float* alpha, const float* inv_beta, int64_t rows, int channels,
+               int64_t t) {
+  for (int64_t r = 0; r < rows; r++)
+    simd::snake_row_f32(x + r * t, y + r * t, alpha[r % channels], inv_beta[r % channels], t);
 }
 
 }  // namespace

@@ -74,6 +74,11 @@ void oc_snake_bf16(const uint16_t* x, uint16_t* y, const float* alpha, const flo
                    int64_t rows, int32_t channels, int64_t t) {
   snake_bf16(x, y, alpha, inv_beta, rows, channels, t);
 }
+// the same over fp32 (no rounding past the float math)
+void oc_snake_f32(const float* x, float* y, const float* alpha, const float* inv_beta, int64_t rows,
+                  int32_t channels, int64_t t) {
+  snake_f32(x, y, alpha, inv_beta, rows, channels, t);
+}
 // AMX int8 tiles compiled in and granted by the OS (products of >= 16 rows use them)
 int32_t oc_has_amx() {
 #if OC_AMX
@@ -128,10 +133,15 @@ void oc_kv_products(int32_t use_ref, const float* q, const void* kv, int32_t bf1
   }
 }
 
-// SnakeBeta by the scalar reference (oc_snake_bf16's arguments)
+// SnakeBeta by the scalar reference (oc_snake_bf16's / oc_snake_f32's arguments)
 void oc_snake_bf16_ref(const uint16_t* x, uint16_t* y, const float* alpha, const float* inv_beta,
                        int64_t rows, int32_t channels, int64_t t) {
   for (int64_t r = 0; r < rows; r++) ref::snake_row(x + r * t, y + r * t, alpha[r % channels], inv_beta[r % channels], t);
+}
+void oc_snake_f32_ref(const float* x, float* y, const float* alpha, const float* inv_beta, int64_t rows,
+                      int32_t channels, int64_t t) {
+  for (int64_t r = 0; r < rows; r++)
+    ref::snake_row_f32(x + r * t, y + r * t, alpha[r % channels], inv_beta[r % channels], t);
 }
 
 // One decode step of a stack (see stack_step); x [m][hidden] in, normed hidden out (in place).

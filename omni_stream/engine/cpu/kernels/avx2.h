@@ -352,40 +352,42 @@ inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, 
   for (; i < d; i++) out[i] = std::fmaf(a, ref::load_kv(vb, bf16, off + i), out[i]);
 }
 
-// SnakeBeta over one bf16 row, ref::snake_one per element (8 lanes; a partial last vector and
-// the lanes the polynomial cannot reduce by ref's scalar code: the same bits either way)
+// SnakeBeta of 8 values, ref::snake_one's arithmetic per lane (a row's partial last vector
+// goes through ref's scalar code: the same bits either way)
+inline __m256 snake8(__m256 xv, float a, float ib) {
+  const __m256 v = _mm256_mul_ps(xv, _mm256_set1_ps(a));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(ref::kInvPi)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 rr = _mm256_fnmadd_ps(k, _mm256_set1_ps(ref::kPi1), v);
+  rr = _mm256_fnmadd_ps(k, _mm256_set1_ps(ref::kPi2), rr);
+  rr = _mm256_fnmadd_ps(k, _mm256_set1_ps(ref::kPi3), rr);
+  const __m256 r2 = _mm256_mul_ps(rr, rr);
+  __m256 poly = _mm256_fmadd_ps(_mm256_set1_ps(ref::kSin11), r2, _mm256_set1_ps(ref::kSin9));
+  poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin7));
+  poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin5));
+  poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin3));
+  const __m256 s = _mm256_fnmadd_ps(_mm256_mul_ps(rr, r2), poly, rr);
+  __m256 out = _mm256_fmadd_ps(_mm256_set1_ps(ib), _mm256_mul_ps(s, s), xv);
+  // !(|v| < 4096) is also true for NaN: those lanes alone take std::sin
+  const __m256 absv = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  const int big = _mm256_movemask_ps(_mm256_cmp_ps(absv, _mm256_set1_ps(ref::kSnakeLimit), _CMP_NLT_UQ));
+  if (big) {
+    alignas(32) float buf[8], xs[8];
+    _mm256_store_ps(buf, out);
+    _mm256_store_ps(xs, xv);
+    for (int j = 0; j < 8; j++)
+      if (big >> j & 1) buf[j] = ref::snake_exact(xs[j], a, ib);
+    out = _mm256_load_ps(buf);
+  }
+  return out;
+}
+
 inline void snake_row(const uint16_t* xr, uint16_t* yr, float a, float ib, int64_t t) {
-  const __m256 va = _mm256_set1_ps(a), vib = _mm256_set1_ps(ib);
-  const __m256 inv_pi = _mm256_set1_ps(ref::kInvPi), p1 = _mm256_set1_ps(ref::kPi1),
-               p2 = _mm256_set1_ps(ref::kPi2), p3 = _mm256_set1_ps(ref::kPi3);
-  const __m256 lim = _mm256_set1_ps(ref::kSnakeLimit);
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   int64_t i = 0;
   for (; i + 8 <= t; i += 8) {
     const __m256 xv = _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xr + i))), 16));
-    const __m256 v = _mm256_mul_ps(xv, va);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, inv_pi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 rr = _mm256_fnmadd_ps(k, p1, v);
-    rr = _mm256_fnmadd_ps(k, p2, rr);
-    rr = _mm256_fnmadd_ps(k, p3, rr);
-    const __m256 r2 = _mm256_mul_ps(rr, rr);
-    __m256 poly = _mm256_fmadd_ps(_mm256_set1_ps(ref::kSin11), r2, _mm256_set1_ps(ref::kSin9));
-    poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin7));
-    poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin5));
-    poly = _mm256_fmadd_ps(poly, r2, _mm256_set1_ps(ref::kSin3));
-    const __m256 s = _mm256_fnmadd_ps(_mm256_mul_ps(rr, r2), poly, rr);
-    __m256 out = _mm256_fmadd_ps(vib, _mm256_mul_ps(s, s), xv);
-    // !(|v| < 4096) is also true for NaN: those lanes alone take std::sin
-    const int big = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v, absmask), lim, _CMP_NLT_UQ));
-    if (big) {
-      alignas(32) float buf[8], xs[8];
-      _mm256_store_ps(buf, out);
-      _mm256_store_ps(xs, xv);
-      for (int j = 0; j < 8; j++)
-        if (big >> j & 1) buf[j] = ref::snake_exact(xs[j], a, ib);
-      out = _mm256_load_ps(buf);
-    }
+    const __m256 out = snake8(xv, a, ib);
     // round to nearest even, NaN kept NaN (as f32_to_bf16), then 8 x 16 bits
     const __m256i u = _mm256_castps_si256(out);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -397,6 +399,12 @@ inline void snake_row(const uint16_t* xr, uint16_t* yr, float a, float ib, int64
     _mm_storeu_si128((__m128i*)(yr + i), _mm256_castsi256_si128(packed));
   }
   ref::snake_row(xr + i, yr + i, a, ib, t - i);
+}
+
+inline void snake_row_f32(const float* x, float* y, float a, float ib, int64_t t) {
+  int64_t i = 0;
+  for (; i + 8 <= t; i += 8) _mm256_storeu_ps(y + i, snake8(_mm256_loadu_ps(x + i), a, ib));
+  ref::snake_row_f32(x + i, y + i, a, ib, t - i);
 }
 
 }  // namespace simd

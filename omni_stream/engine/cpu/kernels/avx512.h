@@ -437,39 +437,43 @@ inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, 
   for (; i < d; i++) out[i] = std::fmaf(a, ref::load_kv(vb, bf16, off + i), out[i]);
 }
 
-// SnakeBeta over one bf16 row, ref::snake_one per element (16 lanes; the row's last partial
-// vector through masked loads and stores)
+// SnakeBeta of the `live` lanes of 16 values, ref::snake_one's arithmetic per lane
+inline __m512 snake16(__m512 xv, float a, float ib, __mmask16 live) {
+  const __m512 v = _mm512_mul_ps(xv, _mm512_set1_ps(a));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(ref::kInvPi)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(ref::kPi1), v);
+  rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(ref::kPi2), rr);
+  rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(ref::kPi3), rr);
+  const __m512 r2 = _mm512_mul_ps(rr, rr);
+  __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(ref::kSin11), r2, _mm512_set1_ps(ref::kSin9));
+  poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin7));
+  poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin5));
+  poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin3));
+  const __m512 s = _mm512_fnmadd_ps(_mm512_mul_ps(rr, r2), poly, rr);
+  __m512 out = _mm512_fmadd_ps(_mm512_set1_ps(ib), _mm512_mul_ps(s, s), xv);
+  // !(|v| < 4096) is also true for NaN: those lanes alone take std::sin
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(ref::kSnakeLimit), _CMP_NLT_UQ) & live;
+  if (big) {
+    alignas(64) float buf[16], xs[16];
+    _mm512_store_ps(buf, out);
+    _mm512_store_ps(xs, xv);
+    for (int j = 0; j < 16; j++)
+      if (big >> j & 1) buf[j] = ref::snake_exact(xs[j], a, ib);
+    out = _mm512_load_ps(buf);
+  }
+  return out;
+}
+
+inline __mmask16 live16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// SnakeBeta over one bf16 row (the row's last partial vector through masked loads and stores)
 inline void snake_row(const uint16_t* xr, uint16_t* yr, float a, float ib, int64_t t) {
-  const __m512 va = _mm512_set1_ps(a), vib = _mm512_set1_ps(ib);
-  const __m512 inv_pi = _mm512_set1_ps(ref::kInvPi), p1 = _mm512_set1_ps(ref::kPi1),
-               p2 = _mm512_set1_ps(ref::kPi2), p3 = _mm512_set1_ps(ref::kPi3);
-  const __m512 lim = _mm512_set1_ps(ref::kSnakeLimit);
   for (int64_t i = 0; i < t; i += 16) {
-    const __mmask16 live = t - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (t - i)) - 1);
-    __m512 xv = _mm512_castsi512_ps(
+    const __mmask16 live = live16(t - i);
+    const __m512 xv = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, xr + i)), 16));
-    __m512 v = _mm512_mul_ps(xv, va);
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, inv_pi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 rr = _mm512_fnmadd_ps(k, p1, v);
-    rr = _mm512_fnmadd_ps(k, p2, rr);
-    rr = _mm512_fnmadd_ps(k, p3, rr);
-    __m512 r2 = _mm512_mul_ps(rr, rr);
-    __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(ref::kSin11), r2, _mm512_set1_ps(ref::kSin9));
-    poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin7));
-    poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin5));
-    poly = _mm512_fmadd_ps(poly, r2, _mm512_set1_ps(ref::kSin3));
-    __m512 s = _mm512_fnmadd_ps(_mm512_mul_ps(rr, r2), poly, rr);
-    __m512 out = _mm512_fmadd_ps(vib, _mm512_mul_ps(s, s), xv);
-    // !(|v| < 4096) is also true for NaN: those lanes alone take std::sin
-    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(v), lim, _CMP_NLT_UQ) & live;
-    if (big) {
-      alignas(64) float buf[16], xs[16];
-      _mm512_store_ps(buf, out);
-      _mm512_store_ps(xs, xv);
-      for (int j = 0; j < 16; j++)
-        if (big >> j & 1) buf[j] = ref::snake_exact(xs[j], a, ib);
-      out = _mm512_load_ps(buf);
-    }
+    const __m512 out = snake16(xv, a, ib, live);
     // round to nearest even, NaN kept NaN (as f32_to_bf16)
     __m512i u = _mm512_castps_si512(out);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -478,6 +482,13 @@ inline void snake_row(const uint16_t* xr, uint16_t* yr, float a, float ib, int64
     __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     rounded = _mm512_mask_mov_epi32(rounded, nan, qnan);
     _mm256_mask_storeu_epi16(yr + i, live, _mm512_cvtepi32_epi16(rounded));
+  }
+}
+
+inline void snake_row_f32(const float* x, float* y, float a, float ib, int64_t t) {
+  for (int64_t i = 0; i < t; i += 16) {
+    const __mmask16 live = live16(t - i);
+    _mm512_mask_storeu_ps(y + i, live, snake16(_mm512_maskz_loadu_ps(live, x + i), a, ib, live));
   }
 }
 

@@ -6,7 +6,7 @@
 //   prepare_q8      the q8 activations as the set's kernel reads them (in place)
 //   dot_f32         one fp32 dot product (the f32 products)
 //   dot_kv, axpy_kv the attention's products over a bf16 or fp32 KV cache
-//   snake_row       Code2Wav's SnakeBeta over one bf16 row
+//   snake_row       Code2Wav's SnakeBeta over one bf16 row (snake_row_f32: fp32)
 //   tile_rows, tile_blocks  products of many rows on int8 tiles (AMX; ref's: none tiled)
 // and reports itself (kIsa, kFeatures). scalar.h is the reference (namespace ref): always built,
 // and it fixes the arithmetic: integer sums exact, every float reduction in the order of 16
@@ -63,6 +63,7 @@ using ref::dot_f32;
 using ref::dot_kv;
 using ref::lowbit_blocks;
 using ref::snake_row;
+using ref::snake_row_f32;
 using ref::tile_blocks;
 using ref::tile_rows;
 inline void prepare_q8(int8_t*, size_t) {}

@@ -162,6 +162,11 @@ inline void snake_row(const uint16_t* x, uint16_t* y, float a, float ib, int64_t
   for (int64_t i = 0; i < t; i++) y[i] = f32_to_bf16(snake_one(bf16_to_f32(x[i]), a, ib));
 }
 
+// the same over fp32 values (no rounding past snake_one's)
+inline void snake_row_f32(const float* x, float* y, float a, float ib, int64_t t) {
+  for (int64_t i = 0; i < t; i++) y[i] = snake_one(x[i], a, ib);
+}
+
 // No int8 tiles (sets without them use these): no product is tiled.
 inline int tile_rows(const OcLinear&, int) { return 0; }
 inline void tile_blocks(const OcLinear&, const int8_t*, const float*, const int32_t*, int, int64_t, int64_t,
