@@ -12,6 +12,7 @@ from omni_stream.config import ENGINES, LOW_BIT_WEIGHT_PATHS, WEIGHT_PATHS
 from omni_stream.orchestrator.flags import (BANDWIDTH_ENV, DTYPES, SERVE_PROFILE_FLAGS,  # noqa: F401
                                             _model_bytes, _prod, _weight_path_pricing,
                                             _with_calibration, effective_profile,
+                                            format_native_kernels, native_kernels_report,
                                             pipeline_settings)
 
 log = logging.getLogger("omni_stream")
@@ -190,7 +191,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from omni_stream.cluster.launch import cluster_flags_valid  # the cluster code's own checks
 
     cluster_flags_valid(a)
-    settings, _, _ = pipeline_settings(a)
+    settings, _, _ = pipeline_settings(a, build_native=True)
     run_server(PipelineBackend(settings), a.host, a.port, from_args(a))
     return 0
 
@@ -220,13 +221,17 @@ def cmd_profile(a: argparse.Namespace) -> int:
     user = json.loads(a.set) if a.set else None
 
     model_bytes = _model_bytes(path)
+    # the native runtime's kernels: this machine's library reports them (built here unless
+    # --no-measure), another machine's are predicted from its ISA list
+    kernels = native_kernels_report(hw, build=not a.no_measure)
+    unavailable = kernels["unavailable"]
     bandwidth, frame_bytes = _weight_path_pricing(hw, cfg)
 
-    def build(calibration):
+    def build(calibration, why=unavailable):
         return build_profile(hw, model_bytes=model_bytes,
                              kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
                              calibration=calibration, user=user, bandwidth_gbs=bandwidth,
-                             frame_bytes=frame_bytes)
+                             frame_bytes=frame_bytes, native_unavailable=why)
 
     found: list = []
     prof, sources, settings, calib = _with_calibration(a, path, build, found)
@@ -247,11 +252,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
                          bandwidth_gbs=costs.bandwidth_gbs)
         print(json.dumps(dict(hardware=profile_summary(hw), profile=profile_to_dict(prof),
                               sources=sources, calibration=str(calib) if calib else None,
-                              **extra), indent=2))
+                              native_kernels=kernels, **extra), indent=2))
     else:
         from omni_stream.scheduling.capacity import format_costs
 
         print("hardware:", json.dumps(profile_summary(hw)))
+        print(format_native_kernels(kernels))
         print("measured costs:", calib or "none for these settings (--no-measure)")
         if costs is not None:
             print(format_costs(costs, cap, steady=prof.steady_chunk))
@@ -368,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what runs the decode step: 'native' (the CPU runtime, engine/cpu), "
                         "'torch' ops, or 'vllm' (the talker decoder and its KV cache on vLLM, "
                         "from the environment setup.sh builds: README 'vLLM engine') (default: "
-                        "from the profile: native on x86 CPUs with AVX-512 VNNI)")
+                        "from the profile: native on x86-64 CPUs with AVX2 and on ARM64; "
+                        "torch where the runtime cannot be built, with the reason logged)")
     v.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
                    help="let the talker's native runtime compute on the codec stage's cores "
                         "while Code2Wav is idle (default: from the profile: on with the native "
@@ -398,7 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--set", default=None, help='user overrides as JSON, e.g. \'{"max_streams": 2}\'')
     pr.add_argument("--json", action="store_true")
     pr.add_argument("--no-measure", action="store_true",
-                    help="do not measure the machine when no costs are cached for these settings")
+                    help="do not measure the machine when no costs are cached for these "
+                         "settings (nor build the native runtime: its kernels are then read "
+                         "from a library built before, or predicted)")
     pr.set_defaults(func=cmd_profile)
 
     from omni_stream.observability.report import add_stats_parser

@@ -380,8 +380,10 @@ def test_snake_kernel_rounds_like_float64_over_a_million_values_and_edges():
     assert float(((y == ref) | both_nan).float().mean()) > 0.999
     short = snake(x[:, :, :5], alpha, inv_beta).float()  # rows shorter than a vector: scalar
     assert bool((((short - ref[:, :, :5]).abs() <= step[:, :, :5]) | torch.isnan(ref[:, :, :5])).all())
-    with pytest.raises(ValueError, match="bf16"):
-        snake(x.float(), alpha, inv_beta)
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        snake(x.half(), alpha, inv_beta)  # fp16: no kernel
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        snake(x[0], alpha, inv_beta)  # [C, T]: not a batch
 
 
 def test_snake_kernel_value_depends_on_the_input_alone_not_its_place_in_the_row():

@@ -277,8 +277,23 @@ def test_weight_path_derivation_speed_first_and_fidelity_first():
     assert p.weight_path == "fp32"  # fp32 compute asked for: no bf16 low-bit kernels
     no_bf16 = load_profile(_env({"isa": ["avx", "avx2", "fma", "avx512_vnni"]}),
                            root=str(HW / "local_xeon_2c"), use_torch=False)
-    assert _build(no_bf16)[0].weight_path == "fp32"
-    assert _build(_machine("phone_biglittle"))[0].weight_path in ("bf16", "fp32")
+    assert _build(no_bf16)[0].weight_path == "fp32"  # no F16C: no native kernels, torch's fp32
+    # the native runtime runs low-bit weights on every kernel set: an ARM64 phone (NEON) of 8
+    # cores gets int8, a 2-core AVX2 machine int4 (in fp32: no native bf16 there)
+    phone, src = _build(_machine("phone_biglittle"))
+    assert (phone.engine, phone.weight_path) == ("native", "int8") and src["weight_path"] == "derived"
+    avx2 = load_profile(_env({"isa": ["avx", "avx2", "fma", "f16c"]}),
+                        root=str(HW / "local_xeon_2c"), use_torch=False)
+    p, _ = _build(avx2)
+    assert (p.engine, p.dtype, p.weight_path) == ("native", "float32", "int4")
+    # priced there as on AVX-512: the most faithful path real time at the bandwidth
+    frame = {"mixed": 10**8, "int4": 5 * 10**7}
+    assert _build(avx2, bandwidth_gbs=20.0, frame_bytes=frame)[0].weight_path == "mixed"
+    assert _build(avx2, bandwidth_gbs=1.0, frame_bytes=frame)[0].weight_path == "int4"
+    # the torch engine's low-bit kernels still need native bf16
+    p, _ = _build(avx2, user={"engine": "torch"})
+    assert (p.engine, p.weight_path) == ("torch", "fp32")
+    assert _build(_machine("phone_biglittle"), user={"engine": "torch"})[0].weight_path == "bf16"
     gpu, _ = _build(_machine("desktop_rtx4090", RTX_TORCH))
     assert gpu.weight_path == "bf16"
     p, src = _build(hw, user={"weight_path": "int8"})
@@ -288,15 +303,19 @@ def test_weight_path_derivation_speed_first_and_fidelity_first():
 def test_low_bit_weight_paths_need_bf16_on_cpu():
     with pytest.raises(ValueError, match="computes in bf16"):
         DeployProfile(dtype="float32", weight_path="int8")
+    # the native runtime's low-bit kernels take fp32 activations: any dtype
+    assert DeployProfile(dtype="float32", weight_path="mixed", engine="native").weight_path == "mixed"
     with pytest.raises(ValueError, match="CPU path"):
         DeployProfile(dtype="bfloat16", weight_path="int4", device="cuda")
     with pytest.raises(ValueError, match="fidelity_first must be true or false"):
         DeployProfile(fidelity_first="yes")
 
 
-def test_engine_is_native_on_cpus_with_vnni_kernels_and_refused_where_it_cannot_run():
-    """The native CPU runtime where its kernels run (AVX-512 VNNI), torch elsewhere, on GPUs
-    and when torch.compile is asked for; a user's engine that cannot run is refused."""
+def test_engine_is_native_on_avx2_and_arm64_cpus_and_refused_where_it_cannot_run():
+    """The native CPU runtime wherever it has a vector kernel set (engine.cpu.isa: x86-64 with
+    AVX2 + FMA + F16C, every ARM64), torch elsewhere, on GPUs, when torch.compile is asked for,
+    at the scalar level and where the runtime cannot be built; a user's engine that cannot run
+    is refused."""
     vnni = _machine("local_xeon_2c")
     assert {"avx512_vnni", "avx512f", "avx512bw", "f16c"} <= set(vnni.isa)
     p, src = _build(vnni)
@@ -305,8 +324,26 @@ def test_engine_is_native_on_cpus_with_vnni_kernels_and_refused_where_it_cannot_
     assert p.engine == "torch"
     p, src = _build(vnni, user={"engine": "torch"})
     assert p.engine == "torch" and src["engine"] == "user"
+    # AVX-512 without VNNI runs the AVX2 set; AVX2 without F16C (or no AVX2) has none
     no_vnni = dataclasses.replace(vnni, isa=frozenset(vnni.isa) - {"avx512_vnni"})
-    assert _build(no_vnni)[0].engine == "torch"
+    assert _build(no_vnni)[0].engine == "native"
+    avx2 = dataclasses.replace(vnni, isa=frozenset({"avx", "avx2", "fma", "f16c"}))
+    assert _build(avx2)[0].engine == "native"
+    for isa in ({"avx", "avx2", "fma"}, {"avx"}, set()):
+        assert _build(dataclasses.replace(vnni, isa=frozenset(isa)))[0].engine == "torch", isa
+    # every ARM64 core has NEON: the phone and a plain ARMv8.0 board (no dotprod) alike
+    assert _build(_machine("phone_biglittle"))[0].engine == "native"
+    a53 = load_profile(_env({"hardware_class": "arm64_cpu", "arch": "aarch64",
+                             "isa": ["asimd", "neon"]}),
+                       root=str(HW / "phone_biglittle"), use_torch=False)
+    assert _build(a53)[0].engine == "native"
+    # another architecture (no kernel set): torch
+    assert _build(dataclasses.replace(vnni, arch="riscv64", isa=frozenset()))[0].engine == "torch"
+    # the scalar level (OMNI_STREAM_CPU_ISA=scalar) and a runtime that cannot be built: torch
+    assert _build(vnni, kernel_level="scalar")[0].engine == "torch"
+    assert _build(vnni, kernel_level="avx2")[0].engine == "native"
+    p, src = _build(vnni, native_unavailable="no C++ compiler found")
+    assert p.engine == "torch" and src["engine"] == "derived" and not p.lend_cores
     assert _build(_machine("desktop_rtx4090", RTX_TORCH))[0].engine == "torch"
     with pytest.raises(ValueError, match="engine 'native' is the CPU runtime"):
         DeployProfile(device="cuda", dtype="bfloat16", weight_path="bf16", engine="native")

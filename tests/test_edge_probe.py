@@ -34,7 +34,7 @@ def test_local_xeon_2c_recorded_from_the_build_machine():
     # the VM, so one cluster of unknown (0 kHz) frequency.
     assert probe(_root("local_xeon_2c")) == HardwareProfile(
         hardware_class="x86_cpu", arch="x86_64", cpu_model="Intel(R) Xeon(R) Processor",
-        physical_cores=2, logical_cpus=2, isa=SPR_ISA, clusters=(((0, 1), 0),), numa_nodes=1,
+        physical_cores=2, logical_cpus=2, isa=SPR_ISA | {"gfni"}, clusters=(((0, 1), 0),), numa_nodes=1,
         ram_gb=23.54, cuda=None, npu=None, source="probe")
 
 

@@ -166,7 +166,7 @@ class OmniStreamReplica:
             from omni_stream.orchestrator.flags import pipeline_settings
             from omni_stream.orchestrator import PipelineBackend
 
-            pipe_settings, self.profile, _ = pipeline_settings(args)
+            pipe_settings, self.profile, _ = pipeline_settings(args, build_native=True)
             backend = PipelineBackend(pipe_settings)
             settings = from_args(args)
             start_timeout += pipe_settings.start_timeout_s

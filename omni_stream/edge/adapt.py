@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,11 +29,12 @@ from typing import Any, Mapping
 import msgspec
 
 from omni_stream.config import LOW_BIT_WEIGHT_PATHS, NATIVE_ONLY_WEIGHT_PATHS, WEIGHT_PATHS, check_engine
-from omni_stream.edge.derive import (FAITHFUL_DB, NATIVE_ISA, PATH_FIDELITY, SPLIT_MIN_CORES,
-                                      bf16_native, derive_codec_dtype, derive_cpu_sets,
-                                      derive_memory, derive_threads, derive_weight_path,
+from omni_stream.edge.derive import (FAITHFUL_DB, PATH_FIDELITY, SPLIT_MIN_CORES, bf16_native,
+                                      derive_codec_dtype, derive_cpu_sets, derive_memory,
+                                      derive_threads, derive_weight_path, native_kernel_level,
                                       priced_frame_s)
 from omni_stream.edge.probe import CUDA_CLASSES, HardwareProfile
+from omni_stream.engine.cpu import isa as cpu_isa
 
 CLASS_DIR = Path(__file__).parent / "classes"
 DTYPES = ("float32", "bfloat16")
@@ -104,7 +106,8 @@ class DeployProfile:
             if self.device != "cpu":
                 raise ValueError(f"weight_path {self.weight_path!r} is a CPU path; on "
                                  f"{self.device} use weight_path 'bf16'")
-            if self.dtype != "bfloat16":
+            # the native runtime's kernels take fp32 activations; torch's low-bit ones bf16
+            if self.dtype != "bfloat16" and self.engine != "native":
                 raise ValueError(f"weight_path {self.weight_path!r} computes in bf16: set dtype "
                                  "'bfloat16' (or weight_path 'fp32')")
         if self.engine == "vllm" and self.weight_path not in (None, "fp32", "bf16"):
@@ -229,14 +232,23 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
     on_gpu = hw.hardware_class in CUDA_CLASSES and inputs.get("device_user") != "cpu"
     device = "cuda" if on_gpu else "cpu"
     bf16 = on_gpu or bf16_native(hw)
-    engine = ("native" if device == "cpu" and NATIVE_ISA <= hw.isa
-              and not inputs.get("compile") else "torch")
+    # the native runtime where it has a vector kernel set (engine.cpu.isa: x86-64 with AVX2 +
+    # FMA + F16C, ARM64) and could be built here (``native_unavailable``: why not)
+    level = inputs.get("kernel_level") or native_kernel_level(hw)
+    engine = ("native" if device == "cpu" and level != "scalar" and not inputs.get("compile")
+              and not inputs.get("native_unavailable") else "torch")
     native = (inputs.get("engine_user") or engine) == "native"
     # vLLM runs the talker's weights as they are, in one process with its code predictor
     # on a CPU it is the reference path, fp32 unless asked (the native engine is the fast one):
     # its greedy codes are the torch engine's fp32 codes
     vllm = inputs.get("engine_user") == "vllm"
     dtype = "bfloat16" if bf16 and not (vllm and device == "cpu") else "float32"
+    # a low-bit path the user names runs in bf16 on torch's kernels (models.quant); the native
+    # runtime's take fp32 activations, so there the dtype stays the machine's (an AVX2 CPU
+    # emulates bf16: its codec would be ~20x slower in bf16, code2wav_bench)
+    if (device == "cpu" and not native and not vllm
+            and inputs.get("weight_path_user") in LOW_BIT_WEIGHT_PATHS):
+        dtype = "bfloat16"
     out: dict[str, Any] = {
         "device": device,
         "dtype": dtype,
@@ -245,7 +257,7 @@ def derive(hw: HardwareProfile, inputs: Mapping[str, Any], *, model_bytes: int,
                                         fidelity_first=bool(inputs.get("fidelity_first")),
                                         dtype_user=inputs.get("dtype_user"),
                                         bandwidth_gbs=inputs.get("bandwidth_gbs") if native else None,
-                                        frame_bytes=inputs.get("frame_bytes")),
+                                        frame_bytes=inputs.get("frame_bytes"), native=native),
         "codec_dtype": derive_codec_dtype(device, inputs.get("dtype_user") or dtype,
                                           fidelity_first=bool(inputs.get("fidelity_first"))),
         "placement": "split" if device == "cpu" and hw.physical_cores >= SPLIT_MIN_CORES
@@ -279,9 +291,15 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
                   calibration: Mapping[str, Any] | Any | None = None,
                   user: Mapping[str, Any] | None = None, class_dir: str | Path | None = None,
                   free_memory_bytes: int | None = None, bandwidth_gbs: float | None = None,
-                  frame_bytes: Mapping[str, int] | None = None
+                  frame_bytes: Mapping[str, int] | None = None, kernel_level: str | None = None,
+                  native_unavailable: str | None = None
                   ) -> tuple[DeployProfile, dict[str, str]]:
     """The effective profile and, per field, the layer its value came from.
+
+    ``kernel_level``: the native runtime's kernel level here (default: ``hw``'s under
+    ``OMNI_STREAM_CPU_ISA``, ``edge.derive.native_kernel_level``; 'scalar' derives the torch
+    engine); ``native_unavailable``: why the native runtime cannot run here (its build failed),
+    which derives the torch engine too.
 
     ``model_bytes`` (weights) and ``kv_bytes_per_token`` are priced at 2 bytes per element (bf16,
     as released); the profile scales them to its weight path and dtype. ``max_streams`` from
@@ -291,6 +309,8 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
         raise ValueError("model_bytes must be >= 0 and kv_bytes_per_token > 0")
     user = dict(user or {})
     _check_keys(user, "user settings")
+    if kernel_level is None:
+        kernel_level = native_kernel_level(hw, cpu_isa.parse_cap(os.environ.get(cpu_isa.CAP_ENV)))
     values: dict[str, Any] = dict(DEFAULTS)
     sources = {k: "default" for k in FIELDS}
     layers: list[tuple[str, Mapping[str, Any]]] = [
@@ -303,6 +323,7 @@ def build_profile(hw: HardwareProfile, *, model_bytes: int, kv_bytes_per_token: 
               "engine_user": user.get("engine"), "cpu_sets_user": user.get("cpu_sets"),
               "kv_budget_mb_user": user.get("kv_budget_mb"),
               "bandwidth_gbs": bandwidth_gbs, "frame_bytes": frame_bytes,
+              "kernel_level": kernel_level, "native_unavailable": native_unavailable,
               "threads_user": {k: v for k, v in user.items() if k.endswith("_threads")}}
     layers.append(("derived", derive(hw, inputs, model_bytes=model_bytes,
                                      kv_bytes_per_token=kv_bytes_per_token,

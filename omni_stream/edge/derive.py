@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from omni_stream.config import FRAME_S
 from omni_stream.edge.probe import HardwareProfile
+from omni_stream.engine.cpu import isa as cpu_isa
 from omni_stream.scheduling.kv_budget import KVBudget, plan_slots
 
 # Native bf16 matmul: x86 AVX512-BF16 / AMX, Arm BF16 (BFMMLA). Without it bf16 is emulated
@@ -19,16 +20,16 @@ BF16_ISA = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
 # 1/1 had the best TTFA and no underruns, the naive 2/2 the worst (oversubscription):
 # benchmarks/tts/results/cpu_thread_sweep.json.
 SMALL_CPU_CORES = 4
-# Low-bit weights (models.quant): torch's int8/int4 CPU kernels take bf16 activations, so they
-# pay off where bf16 is native (x86 AVX512-BF16/AMX). 0.6B talker + code predictor per frame on
+# Low-bit weights: the native runtime's kernels (engine/cpu) run them wherever it runs (AVX-512,
+# AVX2 and NEON kernel sets: engine.cpu.isa). torch's int8/int4 CPU kernels (models.quant)
+# take bf16 activations, so on the torch engine they pay off where bf16 is native (x86
+# AVX512-BF16/AMX). 0.6B talker + code predictor per frame on
 # the 2-core build machine (benchmarks/tts/results/weight_path_bench.json), 1 / 2 threads:
 # bf16 493 / 347 ms, int8 468 / 263 ms, int4 215 / 131 ms. Up to SMALL_CPU_CORES cores even
 # int4 is short of real time, so speed comes first there (int4); bigger CPUs get int8, which
 # keeps more fidelity (teacher-forced logits SNR vs bf16 28 dB vs 10 dB on random weights).
 # Models smaller than LOWBIT_MIN_MODEL_BYTES are bound by per-op overhead, not weight bytes.
 LOWBIT_ISA = frozenset({"avx512_bf16", "amx_bf16"})
-# the native CPU runtime's fast kernels (engine/cpu): AVX-512 with VNNI dot products and F16C
-NATIVE_ISA = frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c"})
 LOWBIT_MIN_MODEL_BYTES = 512 << 20
 # Weight paths priced by the measured read bandwidth (priced_weight_path), most faithful first
 # (teacher-forced against fp32, benchmarks/tts/results/cpu_engine_bench.md). A frame's time is
@@ -75,6 +76,28 @@ def bf16_native(hw: HardwareProfile) -> bool:
     return bool(hw.isa & BF16_ISA)
 
 
+def native_kernel_level(hw: HardwareProfile, cap: str | None = None) -> str:
+    """The native runtime's kernel level on ``hw`` ('avx512' | 'avx2' | 'neon' | 'scalar':
+    ``engine.cpu.isa.kernel_level`` of its ISA list and arch), lowered by ``cap``
+    (``OMNI_STREAM_CPU_ISA``'s level) where that is one of ``hw``'s architecture's levels."""
+    level = cpu_isa.kernel_level(hw.isa, hw.arch)
+    if cap is not None and cap in cpu_isa.FAMILY_LEVELS[cpu_isa.family(hw.arch)]:
+        level = cpu_isa.capped(level, cap, hw.arch)
+    return level
+
+
+def native_kernels(hw: HardwareProfile, cap: str | None = None) -> str:
+    """What the native runtime built for ``hw`` would report (``oc_isa()``), e.g.
+    'avx2+fma+f16c', 'neon+dotprod+i8mm': the prediction for a machine that is not this one."""
+    return cpu_isa.kernel_name(native_kernel_level(hw, cap), hw.isa)
+
+
+def native_engine_runs(hw: HardwareProfile, cap: str | None = None) -> bool:
+    """Whether the profile picks the native engine on ``hw``'s CPU: every x86-64 with
+    AVX2 + FMA + F16C and every ARM64 (NEON); torch's kernels elsewhere."""
+    return cpu_isa.native_engine_runs(native_kernel_level(hw, cap))
+
+
 def _ordered_cpus(hw: HardwareProfile) -> list[int]:
     return [c for ids, _ in hw.clusters for c in ids]  # big cluster first
 
@@ -116,18 +139,21 @@ def priced_frame_s(reads, dram_gbs: float, kernel_gbs: Mapping[str, float] | Non
 def derive_weight_path(hw: HardwareProfile, device: str, *, model_bytes: int,
                        fidelity_first: bool = False, dtype_user: str | None = None,
                        bandwidth_gbs: float | None = None,
-                       frame_bytes: Mapping[str, int] | None = None) -> str:
+                       frame_bytes: Mapping[str, int] | None = None,
+                       native: bool = False) -> str:
     """Low-bit weights where their kernels run natively and the model is big enough to be bound
     by weight bytes; unless fidelity comes first (or the user asked for fp32 compute), in which
-    case the exact weights of the compute dtype. With the native runtime's kernels and the
-    machine's measured read bandwidth, priced by bytes per frame (``priced_weight_path``: the
-    most faithful path that is real time here); without a measurement, int4 on small CPUs
-    (<= SMALL_CPU_CORES cores, where speed is what is missing) and int8 on bigger ones."""
+    case the exact weights of the compute dtype. ``native``: the native runtime runs the step,
+    whose low-bit kernels run on every kernel set; with the machine's measured read bandwidth
+    priced by bytes per frame (``priced_weight_path``: the most faithful path that is real time
+    here). Without a measurement, and on the torch engine where bf16 is native (``LOWBIT_ISA``),
+    int4 on small CPUs (<= SMALL_CPU_CORES cores, where speed is what is missing) and int8 on
+    bigger ones."""
     bf16 = device == "cuda" or bf16_native(hw)
     exact = "bf16" if bf16 and dtype_user != "float32" else "fp32"
     if (device == "cpu" and not fidelity_first and dtype_user != "float32"
-            and hw.isa & LOWBIT_ISA and model_bytes >= LOWBIT_MIN_MODEL_BYTES):
-        if NATIVE_ISA <= hw.isa and bandwidth_gbs and bandwidth_gbs > 0 and frame_bytes:
+            and (native or hw.isa & LOWBIT_ISA) and model_bytes >= LOWBIT_MIN_MODEL_BYTES):
+        if native and bandwidth_gbs and bandwidth_gbs > 0 and frame_bytes:
             return priced_weight_path(frame_bytes, bandwidth_gbs)
         return "int4" if hw.physical_cores <= SMALL_CPU_CORES else "int8"
     return exact

@@ -33,7 +33,7 @@ CUDA_KEYS = ("name", "total_memory_gb", "unified_memory", "compute_capability")
 # ISA flags that matter for inference kernels; everything else in /proc/cpuinfo is dropped.
 X86_ISA = frozenset({
     "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-    "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "gfni",
 })
 ARM_ISA = frozenset({
     "neon", "asimd", "asimdhp", "asimddp", "fphp", "i8mm", "bf16", "sve", "sve2", "svei8mm",

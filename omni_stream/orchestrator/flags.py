@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from omni_stream.config import LOW_BIT_WEIGHT_PATHS
 
@@ -47,12 +48,14 @@ def _model_bytes(path) -> int:
     return 2 * n
 
 
-def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
+def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None,
+                      native_unavailable: str | None = None):
     """The deployment profile for ``serve``: ``--profile auto`` layers model defaults, the
     hardware-class file, values derived from the probe, the chunk calibration and the flags
     given (which win); ``--profile none`` is the fixed defaults, the chunk calibration and the
-    flags. ``calibration``: this deployment's cached ChunkPolicy or None. Returns (profile,
-    sources)."""
+    flags. ``calibration``: this deployment's cached ChunkPolicy or None;
+    ``native_unavailable``: why the native runtime cannot run here (the torch engine is
+    derived). Returns (profile, sources)."""
     from omni_stream.edge.adapt import FIELDS, DeployProfile, build_profile, calibration_values
     from omni_stream.edge.probe import load_profile
     from omni_stream.checkpoints.io import read_config
@@ -67,11 +70,11 @@ def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
                     raise ValueError(f"unknown {dest.replace('_', '-')} '{v}': use fp32 or bf16")
                 v = DTYPES[v]
             user[fld] = v
-    if user.get("weight_path") in LOW_BIT_WEIGHT_PATHS:
-        user.setdefault("dtype", "bfloat16")  # the low-bit kernels compute in bf16
     if user.get("dtype") == "float32":
         user.setdefault("weight_path", "fp32")
     if a.profile == "none":
+        if user.get("weight_path") in LOW_BIT_WEIGHT_PATHS:  # torch's low-bit kernels: bf16
+            user.setdefault("dtype", "bfloat16")
         if user.get("dtype") == "bfloat16":
             user.setdefault("weight_path", "bf16")
         calib = calibration_values(calibration)
@@ -84,7 +87,81 @@ def effective_profile(a: argparse.Namespace, path, hw=None, calibration=None):
     return build_profile(hw, model_bytes=_model_bytes(path),
                          kv_bytes_per_token=kv_bytes_per_token(cfg, 2).flat_per_token,
                          calibration=calibration, user=user, bandwidth_gbs=bandwidth,
-                         frame_bytes=frame_bytes)
+                         frame_bytes=frame_bytes, native_unavailable=native_unavailable)
+
+
+def native_runtime() -> tuple[str | None, str | None]:
+    """(the kernels this process's native runtime runs, e.g. 'avx2+fma+f16c', or None; why it
+    cannot run here, naming the fix, or None): builds the library if it is not built yet."""
+    from omni_stream.engine.cpu.build import BuildError, ensure_library, kernels
+
+    try:
+        return kernels(ensure_library()), None
+    except BuildError as e:
+        return None, str(e)
+
+
+def native_kernels_report(hw, build: bool = True) -> dict:
+    """What the native runtime runs for ``hw``, for ``omni-stream profile``: ``kernels`` (e.g.
+    'avx2+fma+f16c'), ``source`` ('library': this machine's built library's ``oc_isa()``;
+    'predicted': ``edge.derive.native_kernels`` of hardware that is not this machine, or of a
+    library not built yet), ``note`` and ``unavailable`` (why the library cannot be built here,
+    naming the fix, else None). ``build``: build the library if it is not (else only a cached
+    one is read)."""
+    from omni_stream.edge import derive
+    from omni_stream.edge.probe import ENV_VAR
+    from omni_stream.engine.cpu import isa as cpu_isa
+    from omni_stream.engine.cpu.build import BuildError, kernels, library_path, load
+
+    cap = cpu_isa.parse_cap(os.environ.get(cpu_isa.CAP_ENV))
+    predicted = derive.native_kernels(hw, cap)
+    out = dict(kernels=predicted, level=derive.native_kernel_level(hw, cap), source="predicted",
+               note="", unavailable=None)
+    if hw.source == "override":  # a full description of another machine: nothing here to ask
+        out["note"] = f"predicted for the machine {ENV_VAR} describes"
+        return out
+    target = cpu_isa.this_target()
+    if build:
+        got, why = native_runtime()
+    else:  # a library built before, if any; nothing is compiled
+        got = why = None
+        try:
+            path = library_path()
+            if path.is_file():
+                got = kernels(load(path))
+        except BuildError as e:  # no compiler, a library that does not load
+            why = str(e)
+    if why is not None:
+        out.update(kernels=None, unavailable=why,
+                   note=f"the library cannot be built here, the torch engine is used: {why}")
+    elif got is None:
+        out["note"] = "predicted: the library is not built yet (--no-measure)"
+    else:
+        out.update(kernels=got, source="library", note="" if target.why == "this CPU" else target.why)
+        if got != predicted:
+            out["note"] += ("; " if out["note"] else "") + f"the described machine would run {predicted}"
+    return out
+
+
+def format_native_kernels(report: dict) -> str:
+    """``native kernels: avx2+fma+f16c`` with its note, if any (``native_kernels_report``)."""
+    k = report["kernels"] or "none"
+    return f"native kernels: {k}" + (f" ({report['note']})" if report["note"] else "")
+
+
+def fall_back_to_torch(sources, why: str, rebuild):
+    """A profile with the native engine where the native runtime cannot run (``why``, which
+    names the fix): the derived engine falls back to torch, logged with the reason, through
+    ``rebuild(why)`` (whose result is returned); an engine the user asked for, or a weight path
+    only the native runtime has, is an error naming the reason."""
+    if sources.get("engine") == "user":
+        raise ValueError(f"--engine native: the CPU runtime cannot run here: {why}")
+    log.warning("the native CPU runtime cannot run here, so the torch engine runs the decode "
+                "step: %s", why)
+    try:
+        return rebuild(why)
+    except ValueError as e:
+        raise ValueError(f"{e} (the native CPU runtime cannot run here: {why})") from None
 
 
 BANDWIDTH_ENV = "OMNI_STREAM_BANDWIDTH_GBS"
@@ -101,10 +178,9 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
     large cache keeps them between sub-steps (an AMX Xeon's 300 MB L3) the re-reads are bound
     by the kernels, not by memory (``edge.derive.priced_frame_s``). Each path's priced frame is
     logged; None where the hardware is an override describing another machine."""
-    import os
-
     from omni_stream.edge import derive
     from omni_stream.edge.measure import memory_bandwidth_gbs
+    from omni_stream.engine.cpu import isa as cpu_isa
     from omni_stream.engine.cpu.plans import frame_reads, kernel_read_gbs
     from omni_stream.engine.loading import NATIVE_PLANS
 
@@ -128,7 +204,7 @@ def _weight_path_pricing(hw, cfg) -> tuple[float | None, dict[str, int]]:
     if key not in _BANDWIDTH:
         gbs = bw if env else memory_bandwidth_gbs(key)
         priced, detail = dict(frame_bytes), ""
-        if not env and derive.NATIVE_ISA <= hw.isa:
+        if not env and derive.native_engine_runs(hw, cpu_isa.parse_cap(os.environ.get(cpu_isa.CAP_ENV))):
             try:
                 kinds = sorted({k for r in reads.values() for k in (*r.talker, *r.cp)})
                 # one thread's rate times the threads: the products split their rows across
@@ -248,9 +324,12 @@ def _with_calibration(a: argparse.Namespace, path, build, costs_out: list | None
     return cprof, csources, _settings(a, path, cprof, csources), cache.path
 
 
-def pipeline_settings(a: argparse.Namespace, hw=None):
+def pipeline_settings(a: argparse.Namespace, hw=None, *, build_native: bool = False):
     """PipelineSettings for ``serve`` from the flags and the effective profile (whose
-    calibration layer is the cached chunk calibration of these settings, if any)."""
+    calibration layer is the cached chunk calibration of these settings, if any).
+    ``build_native`` (serve, a cluster replica): a profile with the native engine builds its
+    library here, before any stage starts; where that fails the derived engine falls back to
+    torch with a logged reason (``native_fallback``)."""
     from omni_stream.edge.adapt import format_profile
     from omni_stream.edge.probe import load_profile
     from omni_stream.checkpoints.default import resolve_model_path
@@ -258,8 +337,18 @@ def pipeline_settings(a: argparse.Namespace, hw=None):
     path = resolve_model_path(a.model)
     if hw is None and a.profile != "none":
         hw = load_profile()
-    prof, sources, settings, calib = _with_calibration(
-        a, path, lambda c: effective_profile(a, path, hw, calibration=c))
-    log.info("effective profile (--profile %s%s):\n%s", a.profile,
-             f", measured costs {calib}" if calib else "", format_profile(prof, sources))
+
+    def with_calibration(why=None):
+        return _with_calibration(
+            a, path, lambda c: effective_profile(a, path, hw, calibration=c, native_unavailable=why))
+
+    prof, sources, settings, calib = with_calibration()
+    kernels = None
+    if build_native and prof.engine == "native":
+        kernels, why = native_runtime()
+        if why is not None:
+            prof, sources, settings, calib = fall_back_to_torch(sources, why, with_calibration)
+    log.info("effective profile (--profile %s%s):\n%s%s", a.profile,
+             f", measured costs {calib}" if calib else "", format_profile(prof, sources),
+             f"\nnative kernels: {kernels}" if kernels and prof.engine == "native" else "")
     return settings, prof, sources
