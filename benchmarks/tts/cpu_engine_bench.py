@@ -81,8 +81,19 @@ def speed_worker(a: argparse.Namespace) -> dict:
         if batch == 1 and getattr(a, "codec_chunk", 0):
             from benchmarks.tts.weight_path_bench import codec_ms_per_frame
 
-            out["codec_ms_per_frame"] = codec_ms_per_frame(s.model.code2wav, 16, a.codec_chunk)
-            out["codec_dtype"] = str(next(s.model.code2wav.parameters()).dtype).replace("torch.", "")
+            # as the codec stage runs it: the server's codec dtype here (bf16 where bf16 is
+            # native, else fp32: an AVX2 CPU emulates bf16), its packed weights and Snake
+            import copy
+
+            from omni_stream.edge.derive import bf16_native
+            from omni_stream.edge.probe import load_profile
+            from omni_stream.stages.codec_kernels import stage_kernels
+
+            cdt = torch.bfloat16 if bf16_native(load_profile()) else torch.float32
+            c2w = stage_kernels(copy.deepcopy(s.model.code2wav).to(cdt))
+            out["codec_ms_per_frame"] = codec_ms_per_frame(c2w, 16, a.codec_chunk)
+            out["codec_dtype"] = str(cdt).replace("torch.", "")
+            del c2w
         eng = s.engine
         p = s.builder.build(PromptRequest(text=TEXT, language="english", speaker="ryan"))
         with torch.inference_mode():

@@ -134,7 +134,8 @@ def markdown(doc: dict) -> str:
         + ", ".join(f"{v} GB/s at {t} thr" for t, v in floor_bandwidth(doc).items())
         + "): no implementation can beat it from DRAM. codec/frame: "
         "omni-stream and vox decode streaming in 4-frame chunks, qwentts.cpp decodes the utterance "
-        "in one pass; omni-stream's codec is bf16 (its server default), the peers' f32/their GGUF type.",
+        "in one pass; omni-stream's codec runs as its codec stage does here (bf16 where the CPU has bf16 "
+        "arithmetic, else fp32; packed weights, one-pass Snake), the peers' f32/their GGUF type.",
         "", table(doc), "",
         "Fidelity: greedy decoding of the same prompt against omni-stream's exact fp32 torch path "
         f"over the first {doc['fidelity_frames']} frames. qwentts.cpp: its dumped codes. vox: no codes "
