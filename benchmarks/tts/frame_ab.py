@@ -9,7 +9,9 @@ the median of them per side with n, the machine's read bandwidth beside them, an
 ``--isa avx512,avx2`` runs this tree once per native kernel level instead (or beside
 ``--before``): each side capped by ``OMNI_STREAM_CPU_ISA`` with torch, oneDNN and MKL capped
 alike (the AVX2 emulation of docs/configuration.md), so one machine measures what another kind
-runs, on the same memory.
+runs, on the same memory. Every side decodes greedily from one prompt; the greedy codes of all
+its frames are compared with the first side's (the kernel sets give the scalar reference's
+products bit for bit, so the codes should be equal).
 
     python benchmarks/tts/frame_ab.py --model CK --before facf099 [--engine native]
         [--weight-path mixed] [--threads 1] [--rounds 6] [--frames 40]
@@ -48,11 +50,12 @@ eng = FrameEngine(model.weights.talker, EngineShape(max_slots=1, max_seq_len=512
 attach_engine(eng, engine, weight_path, threads, model_path=ck)
 p = PromptBuilder(model.config, model.weights.talker, model.tokenizer).build(
     PromptRequest(text="Hello world, this is a frame cost check.", language="english", speaker="ryan"))
-ts = []
+ts, codes = [], []
 with torch.inference_mode():
     eng.prefill(0, p.embeds, p.trailing, SamplingParams.greedy(), 0)
     for i in range(frames + 5):
-        t0 = time.perf_counter(); eng.step(1); dt = time.perf_counter() - t0
+        t0 = time.perf_counter(); c, _ = eng.step(1); dt = time.perf_counter() - t0
+        codes.append(c[0].tolist())
         if i >= 5:
             ts.append(dt)
 isa = None
@@ -63,7 +66,8 @@ if engine == "native":
     if hasattr(lib, "oc_isa"):
         lib.oc_isa.restype = ctypes.c_char_p
         isa = lib.oc_isa().decode()
-print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__, "isa": isa}))
+print(json.dumps({"ms": statistics.median(ts) * 1e3, "n": len(ts), "src": omni_stream.__file__, "isa": isa,
+                  "codes": codes}))
 """
 
 
@@ -116,7 +120,7 @@ def main() -> int:
                 for side, tree, isa in sides:
                     got = run_side(tree, a, isa)
                     rows.append({"round": r + 1, "side": side, "ms": got["ms"], "n": got["n"],
-                                 "native_kernels": got.get("isa")})
+                                 "native_kernels": got.get("isa"), "codes": got.get("codes")})
                     print(f"round {r + 1}  {side:14s} {got['ms']:7.2f} ms (n={got['n']}, "
                           f"kernels {got.get('isa')})")
         finally:
@@ -129,12 +133,20 @@ def main() -> int:
     print(f"\nmedian of {a.rounds} rounds ({a.engine} {a.weight_path}, {a.threads} thread(s), batch 1): "
           + ", ".join(f"{s} {med[s]:.2f} ms (x{med[s] / med[base]:.3f})" for s in names)
           + f"; {machine['label']}, 1 thread {machine['bandwidth_gbs_1_thread']} GB/s")
+    # greedy decoding: every side's frames (warm-up included) should carry the same codes
+    first = next((x["codes"] for x in rows if x.get("codes")), None)
+    same = {s: all(x.get("codes") == first for x in rows if x["side"] == s) for s in names}
+    print(f"greedy codes of {len(first or [])} frames x 16 equal to the first side's: "
+          + ", ".join(f"{s} {'yes' if v else 'NO'}" for s, v in same.items()))
+    for x in rows:
+        x.pop("codes", None)
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     Path(a.out).write_text(json.dumps({
         "before": a.before, "after": rev, "isa": isas, "engine": a.engine, "weight_path": a.weight_path,
         "threads": a.threads, "frames_per_round": a.frames, "rounds": rows,
-        "median_ms": med, "ratio": {s: med[s] / med[base] for s in names}, "machine": machine}, indent=1))
+        "median_ms": med, "ratio": {s: med[s] / med[base] for s in names}, "greedy_codes_equal": same,
+        "greedy_frames": len(first or []), "machine": machine}, indent=1))
     print(f"wrote {a.out}")
     return 0
 
