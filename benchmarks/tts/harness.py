@@ -64,6 +64,15 @@ ISA_ENV = {
     "avx512": {"OMNI_STREAM_CPU_ISA": "avx512"},
 }
 
+# every variable ISA_ENV sets: a run that finds one in its environment ran as another machine
+EMULATION_VARS = tuple(sorted({k for env in ISA_ENV.values() for k in env}))
+
+
+def emulation() -> dict[str, str]:
+    """The ISA_ENV variables set in this environment (empty: the machine as it is)."""
+    return {k: os.environ[k] for k in EMULATION_VARS if k in os.environ}
+
+
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz: a stream returns a whole number of frames
 
 

@@ -89,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             m = re.search(rf"^{key}\s+(\S+)\s+(\S+)$", log_path.read_text(), re.M)
             if m:
                 profile[key] = m.group(1)
+    from benchmarks.tts.harness import emulation
+
+    # a run on this machine told it is another (harness.ISA_ENV): its figures are that kind's,
+    # not this machine's (summary/headline.py leaves it out of this machine's headlines)
     doc = dict(label=args.label, model=args.model or args.url, prebuffer_s=args.prebuffer,
-               server_args=args.server_args, profile=profile, machine=machine,
+               server_args=args.server_args, profile=profile, machine=machine, emulation=emulation(),
                summaries=summaries, streams=results,
                command="python benchmarks/tts/stream_latency_bench.py " + shlex.join(argv or sys.argv[1:]))
     out.write_text(json.dumps(doc, indent=1))
