@@ -44,6 +44,13 @@ void f32_rows(const OcLinear& L, const float* x, int m, int64_t n0, int64_t n1, 
     for (int64_t n = n0; n < n1; n++) y[(int64_t)r * L.n + n] = simd::dot_f32(L.wf + n * L.k, x + (int64_t)r * L.k, L.k);
 }
 
+// y [m][L.n] += L.bias (none: nothing)
+inline void add_bias(const OcLinear& L, int m, float* y) {
+  if (L.bias)
+    for (int r = 0; r < m; r++)
+      for (int n = 0; n < L.n; n++) y[(int64_t)r * L.n + n] += L.bias[n];
+}
+
 // Scratch for one product's quantized activations (reused, grown on demand).
 struct Scratch {
   std::vector<int8_t> x8;
@@ -83,9 +90,7 @@ void linear(Pool* pool, const OcLinear& L, const float* x, int m, float* y, Scra
       });
     }
   }
-  if (L.bias)
-    for (int r = 0; r < m; r++)
-      for (int n = 0; n < L.n; n++) y[(int64_t)r * L.n + n] += L.bias[n];
+  add_bias(L, m, y);
 }
 
 }  // namespace

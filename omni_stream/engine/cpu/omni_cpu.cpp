@@ -117,9 +117,7 @@ void oc_linear_ref(const OcLinear* L, const float* x, int32_t m, float* y) {
     quantize_rows(x, m, L->k, g, x8.data(), xs.data(), gsum.data());
     ref::lowbit_blocks(*L, x8.data(), xs.data(), gsum.data(), m, 0, L->n / 16, y);
   }
-  if (L->bias)
-    for (int r = 0; r < m; r++)
-      for (int n = 0; n < L->n; n++) y[(int64_t)r * L->n + n] += L->bias[n];
+  add_bias(*L, m, y);
 }
 
 // The attention's primitives over n cache rows of width d (bf16 or fp32), by this build's kernel

@@ -336,12 +336,7 @@ inline float dot_kv(const float* q, const void* kb, int bf16, int64_t off, int d
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_kv(kb, bf16, off + i), lo);
     hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_kv(kb, bf16, off + i + 8), hi);
   }
-  float s = reduce16(lo, hi);
-  for (; i < d; i++) {
-    const float p = q[i] * ref::load_kv(kb, bf16, off + i);
-    s = s + p;
-  }
-  return s;
+  return ref::dot_kv_tail(reduce16(lo, hi), q, kb, bf16, off, i, d);
 }
 
 inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, int d) {
@@ -349,7 +344,7 @@ inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, 
   int i = 0;
   for (; i + 8 <= d; i += 8)
     _mm256_storeu_ps(out + i, _mm256_fmadd_ps(av, load8_kv(vb, bf16, off + i), _mm256_loadu_ps(out + i)));
-  for (; i < d; i++) out[i] = std::fmaf(a, ref::load_kv(vb, bf16, off + i), out[i]);
+  ref::axpy_kv(a, vb, bf16, off + i, out + i, d - i);
 }
 
 // SnakeBeta of 8 values, ref::snake_one's arithmetic per lane (a row's partial last vector

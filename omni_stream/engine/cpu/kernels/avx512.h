@@ -421,12 +421,7 @@ inline float dot_kv(const float* q, const void* kb, int bf16, int64_t off, int d
   __m512 acc = _mm512_setzero_ps();
   int i = 0;
   for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_kv(kb, bf16, off + i), acc);
-  float s = reduce16(acc);
-  for (; i < d; i++) {
-    const float p = q[i] * ref::load_kv(kb, bf16, off + i);
-    s = s + p;
-  }
-  return s;
+  return ref::dot_kv_tail(reduce16(acc), q, kb, bf16, off, i, d);
 }
 
 inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, int d) {
@@ -434,7 +429,7 @@ inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, 
   int i = 0;
   for (; i + 16 <= d; i += 16)
     _mm512_storeu_ps(out + i, _mm512_fmadd_ps(av, load16_kv(vb, bf16, off + i), _mm512_loadu_ps(out + i)));
-  for (; i < d; i++) out[i] = std::fmaf(a, ref::load_kv(vb, bf16, off + i), out[i]);
+  ref::axpy_kv(a, vb, bf16, off + i, out + i, d - i);
 }
 
 // SnakeBeta of the `live` lanes of 16 values, ref::snake_one's arithmetic per lane

@@ -392,12 +392,7 @@ inline float dot_kv(const float* q, const void* kb, int bf16, int64_t off, int d
     a2 = vfmaq_f32(a2, vld1q_f32(q + i + 8), k2);
     a3 = vfmaq_f32(a3, vld1q_f32(q + i + 12), k3);
   }
-  float s = reduce16(a0, a1, a2, a3);
-  for (; i < d; i++) {
-    const float p = q[i] * ref::load_kv(kb, bf16, off + i);
-    s = s + p;
-  }
-  return s;
+  return ref::dot_kv_tail(reduce16(a0, a1, a2, a3), q, kb, bf16, off, i, d);
 }
 
 inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, int d) {
@@ -408,7 +403,7 @@ inline void axpy_kv(float a, const void* vb, int bf16, int64_t off, float* out, 
     vst1q_f32(out + i, vfmaq_n_f32(vld1q_f32(out + i), v0, a));
     vst1q_f32(out + i + 4, vfmaq_n_f32(vld1q_f32(out + i + 4), v1, a));
   }
-  for (; i < d; i++) out[i] = std::fmaf(a, ref::load_kv(vb, bf16, off + i), out[i]);
+  ref::axpy_kv(a, vb, bf16, off + i, out + i, d - i);
 }
 
 // ------------------------------------------------------------------------------ SnakeBeta
@@ -477,27 +472,17 @@ inline void snake8_f32(const float* x, float* y, float a, float ib) {
 }
 
 // SnakeBeta over one row, ref::snake_one per element (8 lanes at a time; the row's last partial
-// 8 through a zero-padded copy); bf16 rounded as f32_to_bf16, or fp32 as it is
+// 8 through ref's scalar code, the same bits either way); bf16 rounded as f32_to_bf16, or fp32
 inline void snake_row(const uint16_t* xr, uint16_t* yr, float a, float ib, int64_t t) {
   int64_t i = 0;
   for (; i + 8 <= t; i += 8) snake8_bf16(xr + i, yr + i, a, ib);
-  if (i < t) {
-    uint16_t buf[8] = {};
-    std::memcpy(buf, xr + i, sizeof(uint16_t) * (t - i));
-    snake8_bf16(buf, buf, a, ib);
-    std::memcpy(yr + i, buf, sizeof(uint16_t) * (t - i));
-  }
+  ref::snake_row(xr + i, yr + i, a, ib, t - i);
 }
 
 inline void snake_row_f32(const float* xr, float* yr, float a, float ib, int64_t t) {
   int64_t i = 0;
   for (; i + 8 <= t; i += 8) snake8_f32(xr + i, yr + i, a, ib);
-  if (i < t) {
-    float buf[8] = {};
-    std::memcpy(buf, xr + i, sizeof(float) * (t - i));
-    snake8_f32(buf, buf, a, ib);
-    std::memcpy(yr + i, buf, sizeof(float) * (t - i));
-  }
+  ref::snake_row_f32(xr + i, yr + i, a, ib, t - i);
 }
 
 }  // namespace simd

@@ -47,18 +47,22 @@ inline float load_kv(const void* base, int bf16, int64_t idx) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
 }
 
+// the tail of q . K past its last whole 16 lanes, as dot_tail
+inline float dot_kv_tail(float s, const float* q, const void* kb, int bf16, int64_t off, int i, int d) {
+  for (; i < d; i++) {
+    const float p = q[i] * load_kv(kb, bf16, off + i);
+    s = s + p;
+  }
+  return s;
+}
+
 // q . K[off : off + d] over a bf16 or fp32 cache
 inline float dot_kv(const float* q, const void* kb, int bf16, int64_t off, int d) {
   float acc[16] = {};
   int i = 0;
   for (; i + 16 <= d; i += 16)
     for (int l = 0; l < 16; l++) acc[l] = std::fmaf(q[i + l], load_kv(kb, bf16, off + i + l), acc[l]);
-  float s = reduce16(acc);
-  for (; i < d; i++) {
-    const float p = q[i] * load_kv(kb, bf16, off + i);
-    s = s + p;
-  }
-  return s;
+  return dot_kv_tail(reduce16(acc), q, kb, bf16, off, i, d);
 }
 
 // out += a V[off : off + d]
