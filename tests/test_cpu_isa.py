@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from omni_stream.engine.cpu import abi, packing
-from omni_stream.engine.cpu.build import FLAGS, _cpu_flags
+from omni_stream.engine.cpu.build import FLAGS, _cpu_flags, kernels
 from omni_stream.engine.cpu.pool import Pool
 from omni_stream.engine.frame import EngineShape, FrameEngine
 from omni_stream.engine.sampling import SamplingParams
-from omni_stream.models.prompt import PromptBuilder, PromptRequest
+from tests.test_cpu_engine import REQS, _run
 
 CPU = set(_cpu_flags().split())
 BASE = tuple(f for f in FLAGS if f != "-march=native")
@@ -53,20 +53,6 @@ def libs(tmp_path_factory):
             out[name] = abi.library(str(build(tmp_path_factory.mktemp(name) / "lib.so", BASE + flags)))
     assert "scalar" in out
     return out
-
-
-def _isa(lib) -> str:
-    lib.oc_isa.restype = C.c_char_p
-    return lib.oc_isa().decode()
-
-
-def _declare(lib) -> None:
-    lib.oc_linear_ref.argtypes = [C.POINTER(abi.OcLinear), C.c_void_p, C.c_int32, C.c_void_p]
-    lib.oc_kv_products.argtypes = [C.c_int32, C.c_void_p, C.c_void_p, C.c_int32, C.c_int32, C.c_int32,
-                                   C.c_void_p, C.c_void_p, C.c_void_p]
-    lib.oc_snake_bf16_ref.argtypes = lib.oc_snake_bf16.argtypes = [
-        C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64, C.c_int32, C.c_int64]
-    lib.oc_snake_f32_ref.argtypes = lib.oc_snake_f32.argtypes = lib.oc_snake_bf16.argtypes
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -97,16 +83,14 @@ def _cases():
 def test_each_set_reports_what_it_runs(libs):
     for name, lib in libs.items():
         want = SETS[name][2]
-        assert _isa(lib).startswith(want), (name, _isa(lib))
+        assert kernels(lib).startswith(want), (name, kernels(lib))
         assert lib.oc_isa_level() == {"scalar": 0, "avx2": 1, "avx2_vnni": 1, "avx512": 2}[name]
     if "avx512" in libs and "gfni" in CPU:
-        assert "+gfni" in _isa(libs["avx512"])
+        assert "+gfni" in kernels(libs["avx512"])
 
 
 def test_every_set_gives_the_references_products_bit_for_bit(libs):
     pools = {name: Pool(2, lib=lib) for name, lib in libs.items()}
-    for lib in libs.values():
-        _declare(lib)
     checked = cases = 0
     for kind, pk, m, x in _cases():
         cases += 1
@@ -139,7 +123,6 @@ def test_attention_primitives_are_the_references_on_every_set(libs, bf16):
         a = torch.softmax(torch.randn(n, generator=gen), 0)
         results = []
         for name, lib in libs.items():
-            _declare(lib)
             for use_ref in (0, 1):
                 dots, out = torch.empty(n), torch.full((d,), 0.25)
                 lib.oc_kv_products(use_ref, q.data_ptr(), kv.data_ptr(), bf16, d, n, a.data_ptr(),
@@ -171,7 +154,6 @@ def test_snake_is_the_references_on_every_set(libs, dtype):
         x = x.to(dtype)
         outs = []
         for name, lib in libs.items():
-            _declare(lib)
             fns = ((lib.oc_snake_bf16, lib.oc_snake_bf16_ref) if dtype == torch.bfloat16
                    else (lib.oc_snake_f32, lib.oc_snake_f32_ref))
             for fn in fns:
@@ -190,24 +172,13 @@ def test_snake_is_the_references_on_every_set(libs, dtype):
             assert bool(((y - ref).abs() <= 4 * 2.0 ** -24 * scale)[poly].all())
 
 
-REQS = [PromptRequest(text="Hello world, this is the CPU runtime.", language="english", speaker="ryan"),
-        PromptRequest(text="Another stream joins the batch.", language="auto", speaker="vivian")]
-
-
-def _codes(model, lib, monkeypatch, kinds, params, frames):
+def _codes(model, lib, monkeypatch, kinds, params, frames) -> np.ndarray:
+    """[streams, frames, 16] codes of test_cpu_engine's two streams (one prefilled in two
+    pieces) decoded on ``lib``'s kernels."""
     monkeypatch.setattr(abi, "ensure_library", lambda: lib)
-    eng = FrameEngine(model.weights.talker, EngineShape(max_slots=2, max_seq_len=256))
+    eng = FrameEngine(model.weights.talker, EngineShape(max_slots=len(REQS), max_seq_len=256))
     eng.use_native(*kinds, threads=2)
-    builder = PromptBuilder(model.config, model.weights.talker, model.tokenizer)
-    out = []
-    with torch.inference_mode():
-        for i, r in enumerate(REQS):
-            p = builder.build(r)
-            eng.prefill(i, p.embeds, p.trailing, params, 11 + i)
-        for _ in range(frames):
-            codes, _ = eng.step(len(REQS))
-            out.append(codes[: len(REQS)].clone())
-    return torch.stack(out).numpy()
+    return np.stack(_run(model, eng, params, [11, 12], frames))
 
 
 @pytest.mark.parametrize("params", [SamplingParams.greedy(), SamplingParams()], ids=["greedy", "sampled"])
@@ -221,7 +192,7 @@ def test_the_decode_gives_the_same_codes_on_every_set(tiny_model, libs, monkeypa
             if name == "scalar" and kinds != ("q8", "q8g"):
                 continue  # the reference is slow; one plan of it is enough
             got = _codes(tiny_model, lib, monkeypatch, kinds, params, 40)
-            assert got.shape[0] == 40 and got.min() >= 0
+            assert got.shape == (len(REQS), 40, 16) and got.min() >= 0
             if ref is None:
                 ref = got
             np.testing.assert_array_equal(got, ref, err_msg=f"{name} {kinds}")

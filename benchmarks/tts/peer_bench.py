@@ -123,8 +123,8 @@ def run_omni(ck: Path, precision: str, threads: int, frames: int, timeout: int) 
 def native_kernels() -> str | None:
     """What omni-stream's native runtime runs here (its library's own report), in a child so
     this process loads no kernel."""
-    code = ("import ctypes; from omni_stream.engine.cpu.abi import library; l = library(); "
-            "l.oc_isa.restype = ctypes.c_char_p; print(l.oc_isa().decode())")
+    code = ("from omni_stream.engine.cpu.abi import library; "
+            "from omni_stream.engine.cpu.build import kernels; print(kernels(library()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     return r.stdout.strip() or None if r.returncode == 0 else None
 

@@ -79,6 +79,7 @@ def library(path: str | None = None) -> C.CDLL:
         lib.oc_snake_bf16.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64,
                                       C.c_int32, C.c_int64]
         lib.oc_snake_bf16_ref.argtypes = lib.oc_snake_bf16.argtypes
+        lib.oc_snake_f32.argtypes = lib.oc_snake_f32_ref.argtypes = lib.oc_snake_bf16.argtypes
         lib._omni_typed = True
     return lib
 
@@ -89,7 +90,6 @@ def snake_kernel(lib: C.CDLL | None = None):
     exp(log alpha) and inv_beta = 1 / (exp(log beta) + 1e-9); for ``Code2Wav.pack(snake=...)``.
     Each value's result depends on it alone (kernels/scalar.h's snake_one, on every kernel set)."""
     lib = lib or library()
-    lib.oc_snake_f32.argtypes = lib.oc_snake_bf16.argtypes
     fns = {torch.bfloat16: lib.oc_snake_bf16, torch.float32: lib.oc_snake_f32}
 
     def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
