@@ -136,10 +136,11 @@ def capped(level: str, cap: str | None, machine: str) -> str:
     if cap not in order:
         raise ValueError(f"{CAP_ENV}={cap} is not a level of this {machine} CPU: use one of "
                          f"{', '.join(order)}")
-    return order[min(order.index(level), order.index(cap))]
+    return lower(level, cap, machine)
 
 
 def lower(a: str, b: str, machine: str) -> str:
+    """The lower of two levels of ``machine``'s family."""
     order = FAMILY_LEVELS[family(machine)]
     return order[min(order.index(a), order.index(b))]
 
